@@ -1,0 +1,155 @@
+"""Image admission: bytes from the client → a validated, oriented RGB image, or a 4xx with a stable code.
+
+Order matters for safety: base64 is decoded strictly, the real type is sniffed from magic bytes (Content-Type is
+ignored), width/height/frames are read from the header *before* pixels are decoded (decompression bombs), then the
+image is decoded, EXIF orientation applied, odd colour modes normalised, and re-encoded as PNG for the engine so no
+original container bytes ever reach it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image, ImageOps
+
+from service.errors import OCRError
+
+# magic bytes -> Pillow format name
+_MAGIC: list[tuple[bytes, int, str]] = [
+    (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
+    (b"\xff\xd8\xff", 0, "JPEG"),
+    (b"GIF87a", 0, "GIF"),
+    (b"GIF89a", 0, "GIF"),
+    (b"BM", 0, "BMP"),
+    (b"II*\x00", 0, "TIFF"),
+    (b"MM\x00*", 0, "TIFF"),
+    (b"%PDF-", 0, "PDF"),
+]
+_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,", re.I)
+_B64_CHARS = re.compile(rb"^[A-Za-z0-9+/]*={0,2}$")
+_B64URL_CHARS = re.compile(rb"^[A-Za-z0-9_-]*={0,2}$")
+
+
+def decode_base64_image(value: str, max_bytes: int) -> bytes:
+    """Strict base64 (standard or URL-safe alphabet, optional `data:` URL prefix, whitespace allowed) → bytes."""
+    text = value.strip()
+    match = _DATA_URL.match(text)
+    if match:
+        if not match.group("b64"):
+            raise OCRError("invalid_base64", "data URL must be base64-encoded (`;base64,`)")
+        text = text[match.end():]
+    raw = re.sub(r"\s+", "", text).encode("ascii", errors="replace")
+    if not raw:
+        raise OCRError("empty_image", "the image is empty")
+    # base64 is 4/3 of the payload: refuse before allocating the decoded copy
+    if len(raw) * 3 // 4 > max_bytes:
+        raise OCRError("payload_too_large", f"decoded image would exceed {max_bytes} bytes")
+    if _B64_CHARS.match(raw):
+        alphabet = None
+    elif _B64URL_CHARS.match(raw):
+        alphabet = b"-_"
+    else:
+        raise OCRError("invalid_base64", "the image is not valid base64 (unexpected characters)")
+    raw = raw.rstrip(b"=")
+    if len(raw) % 4 == 1:
+        raise OCRError("invalid_base64", "the image is not valid base64 (bad length)")
+    raw += b"=" * (-len(raw) % 4)
+    try:
+        data = base64.b64decode(raw, altchars=alphabet, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise OCRError("invalid_base64", "the image is not valid base64") from exc
+    if not data:
+        raise OCRError("empty_image", "the image is empty")
+    return data
+
+
+def sniff_format(data: bytes) -> str | None:
+    """Format name from magic bytes, or None when unknown."""
+    for magic, offset, name in _MAGIC:
+        if data[offset:offset + len(magic)] == magic:
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return None
+
+
+@dataclass
+class DecodedImage:
+    image: Image.Image  # RGB, EXIF orientation applied
+    format: str
+    width: int
+    height: int
+
+
+def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, max_side: int,
+                 max_frames: int) -> DecodedImage:
+    """Validate and decode image bytes. Raises OCRError with a stable code for every client mistake."""
+    if not data:
+        raise OCRError("empty_image", "the image is empty")
+    fmt = sniff_format(data)
+    if fmt is None:
+        raise OCRError("unsupported_media_type", "the file is not an image of a supported type")
+    if fmt == "PDF":
+        raise OCRError("unsupported_media_type", "PDF is handled by the PDF path, not as an image")
+    if fmt not in allowed_formats:
+        raise OCRError("unsupported_media_type", f"{fmt} images are not accepted")
+    try:
+        with warnings.catch_warnings():
+            # Our own pixel cap is below Pillow's; turn Pillow's bomb warning into an error too.
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=[fmt])
+            width, height = img.size  # from the header: no pixels decoded yet
+            if width <= 0 or height <= 0:
+                raise OCRError("invalid_image", "the image has no pixels")
+            if width * height > max_pixels or max(width, height) > max_side:
+                raise OCRError(
+                    "image_too_large",
+                    f"image is {width}x{height}; limits are {max_pixels} pixels and {max_side} px per side",
+                )
+            frames = getattr(img, "n_frames", 1)
+            if frames > max_frames:
+                raise OCRError("image_too_large", f"image has {frames} frames; at most {max_frames} accepted")
+            img.load()
+            img = ImageOps.exif_transpose(img)
+            img = _to_rgb(img)
+    except OCRError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise OCRError("image_too_large", "image exceeds the decompression limit") from exc
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, MemoryError, KeyError) as exc:
+        raise OCRError("invalid_image", f"the {fmt} file could not be decoded (corrupt or truncated)") from exc
+    return DecodedImage(image=img, format=fmt, width=img.width, height=img.height)
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Any mode (palette, CMYK, 16-bit, alpha) → 8-bit RGB; transparency composited on white."""
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        arr = img.point(lambda v: v * (1 / 256)).convert("L")
+        return arr.convert("RGB")
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA"):
+        rgba = img.convert("RGBA")
+        canvas = Image.new("RGB", rgba.size, (255, 255, 255))
+        canvas.paste(rgba, mask=rgba.getchannel("A"))
+        return canvas
+    return img.convert("RGB")
+
+
+def encode_png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def resize_to(img: Image.Image, width: int, height: int) -> Image.Image:
+    if (width, height) == img.size:
+        return img
+    return img.resize((width, height), Image.Resampling.LANCZOS if width < img.width else Image.Resampling.BICUBIC)

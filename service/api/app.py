@@ -1,0 +1,127 @@
+"""The ingress FastAPI application: routers, error mapping and the streaming body-size cap.
+
+`create_app(ctx)` is Ray-agnostic: the Serve ingress deployment builds it with a handle-backed engine client, unit
+tests build it around a local engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api.context import AppContext
+from service.api.health import make_router as health_router
+from service.api.ocr import make_router as ocr_router
+from service.errors import ERROR_CODES, OCRError
+
+log = logging.getLogger(__name__)
+
+
+class BodySizeLimit:
+    """413 `payload_too_large` as soon as the body passes the cap, counted while streaming (no Content-Length trust)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_large = OCRError("payload_too_large", f"request body exceeds {self.max_bytes} bytes")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(send, too_large)
+            return
+        received = 0
+        response_started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _BodyTooLarge:
+            if not response_started:
+                await _send_error(send, too_large)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _send_error(send: Send, error: OCRError) -> None:
+    import json
+
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_response(error: OCRError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def create_app(ctx: AppContext) -> FastAPI:
+    app = FastAPI(
+        title="HunyuanOCR service",
+        version="0.1.0",
+        description="OCR API: spotting, text, document parsing, tables, formulas, charts, field extraction, "
+                    "translation. Errors are `{\"error\": {\"code\", \"message\"}}` with codes: "
+                    + ", ".join(f"`{c}` ({s})" for c, (s, _) in ERROR_CODES.items()),
+    )
+    app.state.ctx = ctx
+
+    @app.exception_handler(OCRError)
+    async def _ocr_error(_: Request, exc: OCRError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        code = "invalid_request" if first.get("type") == "json_invalid" else "validation_error"
+        return error_response(OCRError(code, f"{where}: {first.get('msg', 'invalid value')}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type",
+                401: "unauthorized", 403: "forbidden", 429: "rate_limited"}.get(exc.status_code)
+        if code is None:
+            code = "invalid_request" if exc.status_code < 500 else "internal_error"
+        err = OCRError(code, str(exc.detail))
+        return JSONResponse(err.body(), status_code=exc.status_code if exc.status_code < 500 else 500,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        # never echo exception text: it may contain document content
+        log.error("unhandled error %s", type(exc).__name__, exc_info=exc)
+        return error_response(OCRError("internal_error", "internal error"))
+
+    app.include_router(health_router(ctx))
+    app.include_router(ocr_router(ctx))
+    for extend in ctx.extras.get("routers", []):
+        app.include_router(extend(ctx))
+    app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes)
+    return app

@@ -1,0 +1,58 @@
+"""What the API layer needs at run time, passed explicitly (no module-level state)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+from service.admission.auth import ANONYMOUS, Principal
+from service.admission.ratelimit import LocalTokenBucket, Limiter
+from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
+from service.settings import Settings
+
+
+class EngineClient(Protocol):
+    """How the ingress reaches engine replicas: a Serve handle in production, the engine itself in unit tests."""
+
+    async def generate(self, request: EngineRequest) -> EngineResult: ...
+
+    def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]: ...
+
+    async def info(self) -> EngineInfo: ...
+
+    async def check_health(self) -> None: ...
+
+    async def list_adapters(self) -> list[str]: ...
+
+    async def load_adapter(self, name: str, path: str | None = None) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+
+class Authenticator(Protocol):
+    def authenticate(self, headers: Any) -> Principal: ...
+
+
+class OpenAuthenticator:
+    """No key file: everyone is the anonymous admin (development mode)."""
+
+    open_mode = True
+
+    def authenticate(self, headers: Any) -> Principal:
+        return ANONYMOUS
+
+
+@dataclass
+class AppContext:
+    settings: Settings
+    engine: EngineClient
+    authenticator: Authenticator = field(default_factory=OpenAuthenticator)
+    limiter: Limiter = field(default_factory=LocalTokenBucket)
+    engine_info: EngineInfo | None = None
+    draining: bool = False  # set on SIGTERM: readiness fails, new work is refused
+    extras: dict[str, Any] = field(default_factory=dict)  # optional components (metrics, job store)
+
+    async def get_engine_info(self) -> EngineInfo:
+        if self.engine_info is None:
+            self.engine_info = await self.engine.info()
+        return self.engine_info

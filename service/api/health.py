@@ -1,0 +1,45 @@
+"""Liveness, readiness and model listing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from service.api.context import AppContext
+
+READY_TIMEOUT_S = 30.0
+
+
+def make_router(ctx: AppContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/healthz", summary="Process is alive")
+    async def healthz():
+        return {"status": "ok"}
+
+    @router.get("/readyz", summary="Engine loaded and a real tiny inference passed")
+    async def readyz():
+        if ctx.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        started = time.perf_counter()
+        try:
+            await asyncio.wait_for(ctx.engine.check_health(), READY_TIMEOUT_S)
+            info = await ctx.get_engine_info()
+        except Exception as exc:  # any failure means not ready; the reason class is safe to show
+            return JSONResponse({"status": "unavailable", "reason": type(exc).__name__}, status_code=503)
+        return {"status": "ready", "engine": info.name, "model": info.model,
+                "check_ms": round((time.perf_counter() - started) * 1000, 1)}
+
+    @router.get("/v1/models", summary="Base model and LoRA adapters (OpenAI format)")
+    async def models():
+        info = await ctx.get_engine_info()
+        adapters = await ctx.engine.list_adapters()
+        data = [{"id": info.model, "object": "model", "owned_by": "ocr-service", "root": info.model, "parent": None}]
+        data += [{"id": name, "object": "model", "owned_by": "ocr-service", "root": name, "parent": info.model}
+                 for name in adapters]
+        return {"object": "list", "data": data}
+
+    return router

@@ -1,0 +1,281 @@
+"""`POST /v1/ocr`: router and serving logic, in request order:
+read body → authenticate → validate task → decode image → budget/resize → rate limit → engine → parse → respond.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from service.admission.auth import Principal
+from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm
+from service.admission.images import decode_base64_image, decode_image, encode_png, resize_to, sniff_format
+from service.admission.prompts import build_prompt
+from service.api.context import AppContext
+from service.api.protocol import OCRRequest, OCRResponse
+from service.engine.protocol import EngineRequest
+from service.errors import OCRError
+from service.parsing.result import PageGeometry, build_response, parse_engine_output
+from service.tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+# Embedded engine: longest side sent to the engine (the detector itself works at settings.embedded_det_limit_side_len)
+EMBEDDED_MAX_SIDE = 4096
+
+
+@dataclass
+class PreparedPage:
+    """An admitted page, ready for the engine."""
+
+    engine_request: EngineRequest
+    geometry: PageGeometry
+    plan: ImagePlan
+    decode_ms: float
+
+
+def _multipart_schema() -> dict:
+    props = {name: {"type": "string"} for name in ("task", "language", "target_language", "adapter")}
+    props.update({
+        "file": {"type": "string", "format": "binary", "description": "The image or single-page PDF."},
+        "fields": {"type": "string", "description": "Comma-separated field names or a JSON list (extract)."},
+        "schema": {"type": "string", "description": "JSON Schema as a JSON string (extract)."},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "stream": {"type": "boolean"},
+    })
+    return {"type": "object", "properties": props, "required": ["file"]}
+
+
+OCR_OPENAPI_EXTRA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/OCRRequest"}},
+            "multipart/form-data": {"schema": _multipart_schema()},
+        },
+    }
+}
+
+
+async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, bytes]:
+    """Parse a JSON or multipart body into the request model and the raw file bytes."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        try:
+            form = await request.form(max_files=1, max_fields=32)
+        except Exception as exc:  # starlette raises various errors for malformed multipart
+            raise OCRError("invalid_request", "malformed multipart body") from exc
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise OCRError("empty_image", "multipart body needs a `file` part")
+        data = await upload.read()
+        fields: dict[str, Any] = {}
+        for key, value in form.multi_items():
+            if key == "file":
+                continue
+            if not isinstance(value, str):
+                raise OCRError("invalid_request", f"form field {key!r} must be text")
+            fields[key] = value
+        if "fields" in fields:
+            raw = fields["fields"].strip()
+            fields["fields"] = _json_or(raw, [f.strip() for f in raw.split(",") if f.strip()])
+        if "schema" in fields:
+            fields["schema"] = _json_or(fields["schema"], None, "schema must be a JSON object")
+        try:
+            model = OCRRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise OCRError("validation_error", _first_error(exc)) from exc
+        if model.image:
+            raise OCRError("invalid_request", "send the image either as `file` or as `image`, not both")
+        if not data:
+            raise OCRError("empty_image", "the uploaded file is empty")
+        return model, data
+    if content_type not in ("application/json", ""):
+        raise OCRError("unsupported_media_type", "send application/json or multipart/form-data")
+    body = await request.body()
+    if not body:
+        raise OCRError("empty_image", "the request body is empty")
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OCRError("invalid_request", "the body is not valid JSON") from exc
+    if not isinstance(payload, dict):
+        raise OCRError("invalid_request", "the body must be a JSON object")
+    try:
+        model = OCRRequest.model_validate(payload)
+    except ValidationError as exc:
+        raise OCRError("validation_error", _first_error(exc)) from exc
+    if not model.image:
+        raise OCRError("empty_image", "the `image` field is missing or empty")
+    return model, decode_base64_image(model.image, settings.max_body_bytes)
+
+
+def _json_or(raw: str, default: Any, error: str | None = None) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        if error:
+            raise OCRError("invalid_request", error) from None
+        return default
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+    return f"{where}: {err.get('msg', 'invalid value')}"
+
+
+async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
+    if req.task not in TASKS:
+        raise OCRError("unknown_task", f"unknown task {req.task!r}; tasks: {', '.join(TASKS)}")
+    info = await ctx.get_engine_info()
+    if req.task not in info.supported_tasks:
+        raise OCRError("unsupported_task", f"task {req.task!r} is not supported by the {info.name} engine "
+                       f"(supported: {', '.join(info.supported_tasks)})")
+    if req.task == "extract" and not (req.fields or req.json_schema):
+        raise OCRError("invalid_request", "task `extract` needs `fields` or `schema`")
+    if req.task == "translate" and not req.target_language:
+        raise OCRError("invalid_request", "task `translate` needs `target_language`")
+    if req.fields is not None and len(req.fields) > ctx.settings.max_fields:
+        raise OCRError("validation_error", f"at most {ctx.settings.max_fields} fields")
+
+
+def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str,
+                 request_id: str) -> PreparedPage:
+    """CPU work of admission (run in a thread): decode, orient, budget, resize, re-encode, prompt."""
+    s = ctx.settings
+    started = time.perf_counter()
+    if sniff_format(data) == "PDF":
+        from service.admission.pdf import render_single_page
+
+        decoded = render_single_page(data, s)
+    else:
+        decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
+                               max_side=s.max_image_side, max_frames=s.max_frames)
+    task = TASKS[req.task]
+    max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
+    if engine_name == "embedded":
+        plan = plan_for_embedded(decoded.width, decoded.height, max_side=EMBEDDED_MAX_SIDE)
+    else:
+        plan = plan_for_vlm(decoded.width, decoded.height, max_model_len=s.max_model_len, max_tokens=max_tokens,
+                            min_pixels=s.min_image_pixels, max_pixels=s.max_engine_image_pixels)
+    image = resize_to(decoded.image, plan.width, plan.height)
+    prompt = build_prompt(req, s) if engine_name != "embedded" else None
+    engine_request = EngineRequest(
+        request_id=request_id, task=req.task, image_png=encode_png(image), width=plan.width, height=plan.height,
+        prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
+        repetition_penalty=s.repetition_penalty,
+    )
+    geometry = PageGeometry(decoded.width, decoded.height, plan.width, plan.height)
+    return PreparedPage(engine_request, geometry, plan, (time.perf_counter() - started) * 1000)
+
+
+def rate_limit_cost(ctx: AppContext, plan: ImagePlan, pages: int = 1) -> float:
+    mode = ctx.settings.rate_limit_cost
+    if mode == "image_tokens":
+        # the embedded engine has no image tokens: charge what HunyuanOCR would
+        return float(plan.image_tokens or max(1, plan.width * plan.height // 1024))
+    if mode == "pages":
+        return float(pages)
+    return 1.0
+
+
+async def admit(ctx: AppContext, principal: Principal, cost: float) -> dict[str, str]:
+    """Token bucket for the tenant; raises 429 `rate_limited` (costing the engine nothing)."""
+    s = ctx.settings
+    if not s.rate_limit_enabled:
+        return {}
+    rate = principal.rate or s.default_rate
+    burst = principal.burst or s.default_burst
+    decision = await ctx.limiter.acquire(principal.tenant, cost, rate, burst)
+    headers = decision.headers()
+    if not decision.allowed:
+        raise OCRError("rate_limited", f"rate limit exceeded for tenant {principal.tenant!r}", headers=headers)
+    return headers
+
+
+async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tuple[OCRRequest, PreparedPage,
+                                                                                      dict[str, str]]:
+    """Everything before the engine call; returns the prepared page and rate-limit headers."""
+    req, data = await read_ocr_request(request, ctx.settings)
+    await validate_task(ctx, req)
+    if not principal.may_use_adapter(req.adapter):
+        raise OCRError("forbidden", f"this API key may not use adapter {req.adapter!r}")
+    info = await ctx.get_engine_info()
+    request_id = "ocr-" + uuid.uuid4().hex[:24]
+    page = await asyncio.to_thread(prepare_page, ctx, req, data, info.name, request_id)
+    headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))
+    return req, page, headers
+
+
+def make_router(ctx: AppContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/ocr", response_model=OCRResponse, openapi_extra=OCR_OPENAPI_EXTRA,
+                 responses={400: {"model": dict}, 413: {"model": dict}, 415: {"model": dict}, 429: {"model": dict}},
+                 summary="Recognise one image (or single-page PDF)")
+    async def ocr(request: Request):
+        started = time.perf_counter()
+        principal = ctx.authenticator.authenticate(request.headers)
+        req, page, headers = await run_ocr(ctx, request, principal)
+        info = await ctx.get_engine_info()
+        if req.stream:
+            return StreamingResponse(_stream_events(ctx, req, page, info.model, started), headers=headers,
+                                     media_type="text/event-stream")
+        engine_started = time.perf_counter()
+        result = await ctx.engine.generate(page.engine_request)
+        engine_total_ms = (time.perf_counter() - engine_started) * 1000
+        parse_started = time.perf_counter()
+        parsed = parse_engine_output(req.task, result, page.geometry, fields=req.fields, schema=req.json_schema)
+        parse_ms = (time.perf_counter() - parse_started) * 1000
+        timings = {
+            "decode": page.decode_ms,
+            "queue": max(0.0, engine_total_ms - result.engine_ms),
+            "engine": result.engine_ms,
+            "parse": parse_ms,
+            "total": (time.perf_counter() - started) * 1000,
+        }
+        response = build_response(request_id=page.engine_request.request_id, model=req.adapter or info.model,
+                                  task=req.task, result=result, geom=page.geometry, parsed=parsed,
+                                  timings_ms=timings, adapter=req.adapter)
+        return JSONResponse(response.model_dump(mode="json"), headers=headers)
+
+    return router
+
+
+async def _stream_events(ctx: AppContext, req: OCRRequest, page: PreparedPage, model: str,
+                         started: float) -> AsyncIterator[str]:
+    """SSE: `delta` events with partial text, then one `result` event with the full response (or `error`)."""
+    try:
+        final = None
+        async for delta in ctx.engine.stream(page.engine_request):
+            if delta.final is not None:
+                final = delta.final
+            elif delta.text:
+                yield _sse("delta", {"text": delta.text})
+        assert final is not None, "engine stream ended without a final result"
+        parsed = parse_engine_output(req.task, final, page.geometry, fields=req.fields, schema=req.json_schema)
+        timings = {"decode": page.decode_ms, "engine": final.engine_ms,
+                   "total": (time.perf_counter() - started) * 1000}
+        response = build_response(request_id=page.engine_request.request_id, model=req.adapter or model,
+                                  task=req.task, result=final, geom=page.geometry, parsed=parsed,
+                                  timings_ms=timings, adapter=req.adapter)
+        yield _sse("result", response.model_dump(mode="json"))
+    except OCRError as exc:
+        yield _sse("error", exc.body())
+    except Exception:
+        log.exception("stream failed")
+        yield _sse("error", OCRError("internal_error", "the engine failed while streaming").body())
+
+
+def _sse(event: str, data: Any) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"

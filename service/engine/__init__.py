@@ -1,0 +1,24 @@
+"""Engines behind the seam in `service.engine.protocol`; `make_engine` picks one from settings."""
+
+from __future__ import annotations
+
+from service.engine.protocol import Engine
+from service.settings import Settings
+
+
+def make_engine(settings: Settings) -> Engine:
+    """The engine named by `settings.engine`, not yet started (call `await engine.start()`)."""
+    if settings.engine == "embedded":
+        from service.engine.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(det_limit_side_len=settings.embedded_det_limit_side_len,
+                              threads=settings.embedded_threads)
+    if settings.engine == "mock":
+        from service.engine.mock import MockEngine
+
+        return MockEngine(delay_s=settings.mock_delay_s)
+    if settings.engine == "vllm":
+        from service.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_settings(settings)
+    raise ValueError(f"unknown engine {settings.engine!r}")

@@ -1,0 +1,58 @@
+"""Stable error codes of the API. Every error response is `{"error": {"code", "message"}}`.
+
+The table below is the contract (docs/API.md renders it): a code never changes meaning once published.
+Client mistakes are 4xx; 5xx only for our own faults (engine down, internal bug).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# code -> (HTTP status, when it happens)
+ERROR_CODES: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "The request is malformed (bad JSON, wrong field types, missing fields)."),
+    "invalid_base64": (400, "The `image` field is not valid base64 (or a base64 data URL)."),
+    "empty_image": (400, "No image bytes were sent."),
+    "invalid_image": (400, "The bytes are not a decodable image of an allowed format, or the file is truncated."),
+    "unsupported_media_type": (415, "The file's real type (sniffed from its bytes) is not accepted."),
+    "image_too_large": (413, "The image has more pixels, a longer side or more frames than allowed."),
+    "payload_too_large": (413, "The request body exceeds the size limit."),
+    "unknown_task": (400, "The `task` is not one of the documented tasks."),
+    "unsupported_task": (400, "The task is known but the current engine cannot perform it."),
+    "invalid_schema": (400, "The extraction JSON Schema is not a valid schema or is too large."),
+    "invalid_pdf": (400, "The PDF is corrupt, encrypted or cannot be rasterised within limits."),
+    "too_many_pages": (413, "The document has more pages than allowed."),
+    "unauthorized": (401, "Missing or invalid API key."),
+    "forbidden": (403, "The API key may not use this endpoint or adapter."),
+    "unknown_adapter": (404, "The named LoRA adapter does not exist."),
+    "not_found": (404, "No such resource (job id, route)."),
+    "method_not_allowed": (405, "The HTTP method is not allowed on this route."),
+    "validation_error": (422, "A field has an invalid value (out of range, unknown field)."),
+    "rate_limited": (429, "The tenant's token bucket is empty; retry after `Retry-After` seconds."),
+    "overloaded": (503, "All engine replicas are saturated; retry after `Retry-After` seconds."),
+    "rate_limiter_unavailable": (503, "The rate-limit backend failed and fail mode is `closed`."),
+    "engine_unavailable": (503, "No healthy engine replica could serve the request."),
+    "timeout": (504, "The request did not finish within the service's time limit."),
+    "internal_error": (500, "An unexpected server fault (reported, never a client mistake)."),
+}
+
+
+@dataclass
+class OCRError(Exception):
+    """An error with a stable code; the API layer turns it into the JSON error response."""
+
+    code: str
+    message: str
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.code not in ERROR_CODES:
+            raise ValueError(f"undocumented error code {self.code!r}")
+        super().__init__(self.message)
+
+    @property
+    def status(self) -> int:
+        return ERROR_CODES[self.code][0]
+
+    def body(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}

@@ -1,0 +1,112 @@
+"""Engine output → API response: lines in pixels of the uploaded image, text, confidences, extraction fields.
+
+Coordinates: engines that detect lines themselves (embedded) return polygons in pixels of the image they were sent;
+those are scaled back by uploaded/engine size per axis. HunyuanOCR returns boxes normalised to 0-1000 of the image it
+saw, which is the whole (resized) upload, so they map to uploaded pixels as value/1000 · uploaded size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from service.api.protocol import ImageInfo, Line, OCRResponse, Usage
+from service.engine.protocol import EngineLine, EngineResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PageGeometry:
+    width: int  # uploaded image (after EXIF orientation)
+    height: int
+    engine_width: int  # image sent to the engine
+    engine_height: int
+
+    @property
+    def scale(self) -> float:
+        return self.engine_width / self.width if self.width else 1.0
+
+
+@dataclass
+class ParsedOutput:
+    text: str
+    lines: list[Line] = field(default_factory=list)
+    fields: dict | None = None
+    errors: list[str] | None = None
+    confidence: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def clamp_box(x1: float, y1: float, x2: float, y2: float, width: int, height: int) -> list[int] | None:
+    """Round and clamp a box to the image; None when it is degenerate (no area left)."""
+    xa, xb = sorted((x1, x2))
+    ya, yb = sorted((y1, y2))
+    box = [max(0, min(width, round(xa))), max(0, min(height, round(ya))),
+           max(0, min(width, round(xb))), max(0, min(height, round(yb)))]
+    if box[2] - box[0] < 1 or box[3] - box[1] < 1:
+        return None
+    return box
+
+
+def box_polygon(box: list[int]) -> list[list[int]]:
+    x1, y1, x2, y2 = box
+    return [[x1, y1], [x2, y1], [x2, y2], [x1, y2]]
+
+
+def lines_from_engine(engine_lines: list[EngineLine], geom: PageGeometry) -> tuple[list[Line], list[str]]:
+    """Embedded-engine polygons (engine pixels) → lines in uploaded pixels."""
+    sx = geom.width / geom.engine_width
+    sy = geom.height / geom.engine_height
+    lines: list[Line] = []
+    warnings: list[str] = []
+    for eline in engine_lines:
+        pts = [[x * sx, y * sy] for x, y in eline.polygon]
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        box = clamp_box(min(xs), min(ys), max(xs), max(ys), geom.width, geom.height)
+        if box is None:
+            warnings.append("dropped a line with a degenerate box")
+            continue
+        polygon = [[max(0, min(geom.width, round(x))), max(0, min(geom.height, round(y)))] for x, y in pts]
+        lines.append(Line(text=eline.text, box=box, polygon=polygon, confidence=eline.confidence))
+    return lines, warnings
+
+
+def parse_engine_output(task: str, result: EngineResult, geom: PageGeometry, *, fields: list[str] | None = None,
+                        schema: dict | None = None) -> ParsedOutput:
+    """Task-specific parsing of one engine result."""
+    if result.lines is not None:  # engine detected lines itself
+        lines, warnings = lines_from_engine(result.lines, geom)
+        confs = [ln.confidence for ln in lines if ln.confidence is not None]
+        doc_conf = sum(confs) / len(confs) if confs else None
+        return ParsedOutput(text="\n".join(ln.text for ln in lines), lines=lines, confidence=doc_conf,
+                            warnings=warnings)
+    from service.parsing.vlm import parse_vlm_output
+
+    return parse_vlm_output(task, result, geom, fields=fields, schema=schema)
+
+
+def build_response(*, request_id: str, model: str, task: str, result: EngineResult, geom: PageGeometry,
+                   parsed: ParsedOutput, timings_ms: dict[str, float], adapter: str | None = None,
+                   extra_warnings: list[str] | None = None) -> OCRResponse:
+    warnings = list(parsed.warnings) + list(extra_warnings or [])
+    if result.finish_reason == "length":
+        warnings.append("output hit max_tokens; the result may be incomplete")
+    return OCRResponse(
+        id=request_id,
+        model=model,
+        task=task,
+        text=parsed.text,
+        lines=parsed.lines,
+        fields=parsed.fields,
+        errors=parsed.errors,
+        confidence=parsed.confidence,
+        image=ImageInfo(width=geom.width, height=geom.height, engine_width=geom.engine_width,
+                        engine_height=geom.engine_height, scale=round(geom.scale, 6)),
+        usage=Usage(prompt_tokens=result.prompt_tokens, image_tokens=result.image_tokens,
+                    output_tokens=result.output_tokens),
+        timings_ms={k: round(v, 2) for k, v in timings_ms.items()},
+        finish_reason=result.finish_reason,
+        warnings=warnings,
+        adapter=adapter,
+    )

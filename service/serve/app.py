@@ -1,0 +1,189 @@
+"""The Ray Serve application: a CPU ingress deployment (HTTP, validation, image decode) in front of an engine
+deployment (one engine per replica; one GPU per replica for vLLM). `build_app(settings)` is the single builder used
+by the CLI, the tests and the Helm chart's `serveConfigV2` (`import_path: service.serve.app:app_builder`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from service.api.app import create_app
+from service.api.context import AppContext
+from service.engine import make_engine
+from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
+from service.errors import OCRError
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "OCREngine"
+INGRESS_DEPLOYMENT = "OCRIngress"
+
+
+class EngineDeployment:
+    """Holds one engine. Serve calls `check_health` periodically; a failure (e.g. a dead vLLM engine) makes Serve
+    replace the replica."""
+
+    async def __init__(self, settings: dict[str, Any]):
+        self.settings = Settings.model_validate(settings)
+        logging.getLogger("service").setLevel(self.settings.log_level)
+        self.engine = make_engine(self.settings)
+        await self.engine.start()
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        return await self.engine.generate(request)
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        async for delta in self.engine.stream(request):
+            yield delta
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def info(self) -> EngineInfo:
+        return await self.engine.info()
+
+    async def list_adapters(self) -> list[str]:
+        return await self.engine.list_adapters()
+
+    async def load_adapter(self, name: str, path: str | None = None) -> None:
+        await self.engine.load_adapter(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.unload_adapter(name)
+
+    async def __del__(self):  # Serve calls it on graceful replica shutdown
+        try:
+            await self.engine.shutdown()
+        except Exception:  # best effort: the process is going away
+            pass
+
+
+def translate_engine_error(exc: BaseException) -> OCRError | None:
+    """Map Ray/Serve failures to stable API errors (None = not a known engine-side failure)."""
+    if isinstance(exc, OCRError):
+        return exc
+    name = type(exc).__name__
+    if "BackPressureError" in name:
+        return OCRError("overloaded", "all engine replicas are busy; retry later", headers={"Retry-After": "1"})
+    if any(k in name for k in ("ActorDiedError", "ActorUnavailableError", "RayActorError", "EngineDeadError",
+                               "DeploymentUnavailableError")):
+        return OCRError("engine_unavailable", "the engine replica is unavailable; retry later",
+                        headers={"Retry-After": "1"})
+    return None
+
+
+class ServeEngineClient:
+    """EngineClient over a Serve deployment handle; adapters route through Serve model multiplexing."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self._handle = handle
+
+    def _for(self, request: EngineRequest) -> DeploymentHandle:
+        if request.adapter:
+            return self._handle.options(multiplexed_model_id=request.adapter)
+        return self._handle
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        try:
+            return await self._for(request).generate.remote(request)
+        except Exception as exc:
+            err = translate_engine_error(exc)
+            if err is None:
+                raise
+            raise err from None
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        try:
+            gen = self._for(request).options(stream=True).stream.remote(request)
+            async for delta in gen:
+                yield delta
+        except Exception as exc:
+            err = translate_engine_error(exc)
+            if err is None:
+                raise
+            raise err from None
+
+    async def info(self) -> EngineInfo:
+        return await self._handle.info.remote()
+
+    async def check_health(self) -> None:
+        await self._handle.check_health.remote()
+
+    async def list_adapters(self) -> list[str]:
+        return await self._handle.list_adapters.remote()
+
+    async def load_adapter(self, name: str, path: str | None = None) -> None:
+        await self._handle.load_adapter.remote(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._handle.unload_adapter.remote(name)
+
+
+@serve.ingress()
+class IngressDeployment:
+    """HTTP ingress: builds the FastAPI app around a handle to the engine deployment."""
+
+    def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]):
+        self.settings = Settings.model_validate(settings)
+        logging.getLogger("service").setLevel(self.settings.log_level)
+        self.ctx = build_context(self.settings, ServeEngineClient(engine))
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.ctx)
+
+
+def build_context(settings: Settings, engine_client) -> AppContext:
+    """AppContext with the admission components the settings ask for."""
+    return AppContext(settings=settings, engine=engine_client)
+
+
+def engine_deployment_options(settings: Settings) -> dict[str, Any]:
+    autoscaling: dict[str, Any] = {
+        "min_replicas": settings.min_replicas,
+        "max_replicas": settings.max_replicas,
+        "target_ongoing_requests": settings.target_ongoing_requests,
+        "upscale_delay_s": settings.upscale_delay_s,
+        "downscale_delay_s": settings.downscale_delay_s,
+    }
+    if settings.initial_replicas is not None:
+        autoscaling["initial_replicas"] = settings.initial_replicas
+    options: dict[str, Any] = {
+        "name": ENGINE_DEPLOYMENT,
+        "ray_actor_options": {"num_cpus": settings.engine_num_cpus, "num_gpus": settings.resolved_engine_num_gpus},
+        "max_ongoing_requests": settings.max_ongoing_requests,
+        "max_queued_requests": settings.max_queued_requests,
+        "health_check_period_s": settings.health_check_period_s,
+        "health_check_timeout_s": settings.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
+    }
+    if settings.min_replicas == settings.max_replicas:
+        options["num_replicas"] = settings.min_replicas
+    else:
+        options["autoscaling_config"] = autoscaling
+    return options
+
+
+def build_app(settings: Settings) -> serve.Application:
+    """The whole application, ready for `serve.run`."""
+    plain = settings.model_dump(mode="python")
+    engine = serve.deployment(EngineDeployment, **engine_deployment_options(settings)).bind(plain)
+    ingress = serve.deployment(
+        IngressDeployment,
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=settings.ingress_replicas,
+        ray_actor_options={"num_cpus": settings.ingress_num_cpus},
+        max_ongoing_requests=max(64, settings.max_ongoing_requests * settings.max_replicas * 2),
+    )
+    return ingress.bind(engine, plain)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """Serve config entry point (`import_path: service.serve.app:app_builder`): `args` are settings field values
+    (the Helm chart renders them from values.yaml); OCR_* environment variables fill the rest."""
+    return build_app(Settings(**(args or {})))

@@ -1,0 +1,215 @@
+"""The one registry of settings: every knob of the service, read from `OCR_*` environment variables.
+
+`ocr-serve config` prints the effective values (secrets masked). Fields are grouped in request order:
+server → admission (body, image, auth, limiter) → engine → parsing → Serve deployment.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EngineKind = Literal["embedded", "vllm", "mock"]
+
+
+class Settings(BaseSettings):
+    """Settings of the OCR service. Env prefix `OCR_` (e.g. `OCR_ENGINE=vllm`)."""
+
+    model_config = SettingsConfigDict(env_prefix="OCR_", extra="forbid", validate_default=True)
+
+    # --- server -------------------------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address the HTTP proxy binds to (0.0.0.0 in containers).")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the API.")
+    request_timeout_s: float = Field(
+        300.0, gt=0, description="Hard limit on one request's time inside the service (engine call included)."
+    )
+    log_level: str = Field("INFO", description="Python log level of the service's loggers.")
+
+    # --- admission: body and image ------------------------------------------------------------------------------
+    max_body_bytes: int = Field(
+        20 * 1024 * 1024, ge=1024, description="Largest accepted request body in bytes (413 `payload_too_large`)."
+    )
+    max_image_pixels: int = Field(
+        40_000_000,
+        ge=10_000,
+        description="Largest decoded image in pixels, checked from the header before decoding (decompression bombs).",
+    )
+    max_image_side: int = Field(20_000, ge=64, description="Largest accepted image width or height in pixels.")
+    max_frames: int = Field(
+        1, ge=1, description="Frames read from multi-frame GIF/TIFF; more frames than this are rejected."
+    )
+    allowed_formats: list[str] = Field(
+        default_factory=lambda: ["PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF"],
+        description="Image formats accepted after magic-byte sniffing (the Content-Type is ignored).",
+    )
+    max_text_field_chars: int = Field(
+        2000, ge=1, description="Longest free-text request field (prompt hints, field names) in characters."
+    )
+    max_fields: int = Field(64, ge=1, description="Most fields one extraction request may name.")
+    max_schema_bytes: int = Field(32_768, ge=64, description="Largest JSON Schema accepted for extraction, in bytes.")
+
+    # --- admission: keys and rate limits -------------------------------------------------------------------------
+    api_keys_file: Path | None = Field(
+        None, description="YAML/JSON file of hashed API keys (mounted from a Secret). None = open (development) mode."
+    )
+    redis_url: SecretStr | None = Field(
+        None, description="Redis URL for the rate limiter and job store. None = in-process state (single node)."
+    )
+    rate_limit_cost: Literal["image_tokens", "pages", "requests"] = Field(
+        "requests", description="What one bucket token pays for: image tokens, pages or requests."
+    )
+    default_rate: float = Field(
+        10.0, gt=0, description="Refill rate (tokens/s) for tenants without their own rate (and open mode)."
+    )
+    default_burst: float = Field(20.0, gt=0, description="Bucket size for tenants without their own burst.")
+    rate_limit_enabled: bool = Field(True, description="Apply the token bucket at all.")
+    rate_limit_fail_mode: Literal["open", "closed"] = Field(
+        "open", description="When Redis fails: `open` admits via a local bucket, `closed` answers 503."
+    )
+    redis_timeout_ms: int = Field(
+        50, ge=1, description="Socket timeout of limiter calls to Redis; a dead Redis costs at most this."
+    )
+
+    # --- engine -------------------------------------------------------------------------------------------------
+    engine: EngineKind = Field(
+        "embedded", description="`embedded` (rapidocr on CPU), `vllm` (HunyuanOCR on vLLM) or `mock` (tests)."
+    )
+    model: Path | None = Field(
+        None, description="HunyuanOCR model directory for the vLLM engine (config, tokenizer, weights)."
+    )
+    served_model_name: str = Field("hunyuan-ocr", description="Name of the base model in /v1/models and responses.")
+    load_format: str = Field("auto", description="vLLM load format (`dummy` = random weights, for benchmarks).")
+    dtype: str = Field("auto", description="vLLM weight/activation dtype (`bfloat16` on GPUs).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of GPU memory vLLM may take (weights + KV cache)."
+    )
+    max_model_len: int = Field(
+        8192, ge=256, description="Context length: image tokens + prompt + output must fit (the image is downscaled)."
+    )
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences vLLM runs in one batch.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="vLLM scheduler token budget per step.")
+    enable_prefix_caching: bool = Field(
+        False, description="vLLM prefix caching (off: HunyuanOCR crashed on prefix-cache hits before vLLM PR #53456)."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs / compile (faster start, slower steps).")
+    max_output_tokens: int = Field(
+        2048, ge=1, description="Default and upper bound of output tokens per request (budgeted with the image)."
+    )
+    min_image_pixels: int = Field(512 * 512, ge=1024, description="Processor min_pixels (images are upscaled to it).")
+    max_engine_image_pixels: int = Field(
+        2048 * 2048, ge=1024, description="Processor max_pixels (larger images are downscaled to it)."
+    )
+    enable_lora: bool = Field(False, description="Enable LoRA adapter slots in vLLM.")
+    max_loras: int = Field(4, ge=1, description="LoRA slots on the GPU (adapters active in one batch).")
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank accepted.")
+    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters cached in CPU memory (LRU).")
+    adapters_dir: Path | None = Field(
+        None, description="Directory whose sub-directories are LoRA adapters (name = directory name)."
+    )
+    max_adapters_per_replica: int = Field(
+        4, ge=1, description="Adapters one replica keeps loaded (Serve multiplexing LRU)."
+    )
+    vllm_extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vLLM engine arguments (JSON object), passed as they are."
+    )
+    embedded_det_limit_side_len: int = Field(
+        960, ge=32, description="Embedded engine: longest side the detector sees (rapidocr `limit_side_len`)."
+    )
+    embedded_threads: int = Field(0, ge=0, description="Embedded engine: ONNX Runtime intra-op threads (0 = auto).")
+    mock_delay_s: float = Field(0.0, ge=0, description="Mock engine: seconds each request takes (tests, autoscaling).")
+
+    # --- parsing / output -----------------------------------------------------------------------------------------
+    repetition_min_chars: int = Field(
+        4000, ge=0, description="Repetition guard: output length before a repeating tail may be cut."
+    )
+    repetition_min_repeats: int = Field(
+        8, ge=2, description="Repetition guard: repeats of the tail unit that count as a loop."
+    )
+    repetition_max_unit_chars: int = Field(200, ge=1, description="Repetition guard: longest repeating unit checked.")
+    extraction_guided_retry: bool = Field(
+        False, description="Retry an extraction once with guided (structured) JSON decoding when validation fails."
+    )
+    repetition_penalty: float = Field(1.0, gt=0, description="Sampling repetition penalty (HunyuanOCR 1.5: 1.08).")
+
+    # --- jobs (multi-page) ------------------------------------------------------------------------------------------
+    max_pdf_pages: int = Field(50, ge=1, description="Most pages one job may have.")
+    max_pdf_bytes: int = Field(50 * 1024 * 1024, ge=1024, description="Largest PDF/job upload in bytes.")
+    max_pdf_dpi: int = Field(200, ge=36, description="Highest rasterisation DPI (the image budget may choose lower).")
+    job_ttl_s: int = Field(3600, ge=10, description="How long job results are kept.")
+    job_page_retries: int = Field(2, ge=0, description="Retries of a page whose engine call failed.")
+    job_page_concurrency: int = Field(8, ge=1, description="Pages of one job in flight at once.")
+
+    # --- Ray Serve deployment --------------------------------------------------------------------------------------
+    engine_num_gpus: float | None = Field(
+        None, ge=0, description="GPUs per engine replica; None = 1 for `vllm`, 0 otherwise."
+    )
+    engine_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per engine replica.")
+    ingress_num_cpus: float = Field(0.5, ge=0, description="CPUs reserved per ingress replica.")
+    ingress_replicas: int = Field(1, ge=1, description="Ingress replicas (HTTP, validation, image decode).")
+    min_replicas: int = Field(1, ge=0, description="Fewest engine replicas (autoscaling).")
+    max_replicas: int = Field(1, ge=1, description="Most engine replicas (autoscaling).")
+    initial_replicas: int | None = Field(None, ge=0, description="Engine replicas at start (None = min_replicas).")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Queue-depth target: ongoing requests per engine replica the autoscaler aims for."
+    )
+    max_ongoing_requests: int = Field(32, ge=1, description="Requests one engine replica takes at once.")
+    max_queued_requests: int = Field(
+        256, ge=-1, description="Requests waiting for an engine replica before new ones get 503 (-1 = unbounded)."
+    )
+    upscale_delay_s: float = Field(10.0, ge=0, description="Autoscaler: seconds over target before adding replicas.")
+    downscale_delay_s: float = Field(60.0, ge=0, description="Autoscaler: seconds under target before removing.")
+    latency_target_ms: float | None = Field(
+        None, gt=0, description="Autoscaler latency rule: p95 target in ms (None = queue-depth rule only)."
+    )
+    health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period of engine replicas.")
+    health_check_timeout_s: float = Field(60.0, gt=0, description="Serve health check timeout of engine replicas.")
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="Time in-flight requests get to finish when a replica stops."
+    )
+
+    @field_validator("allowed_formats")
+    @classmethod
+    def _upper_formats(cls, value: list[str]) -> list[str]:
+        return [fmt.upper() for fmt in value]
+
+    @field_validator("vllm_extra_args", mode="before")
+    @classmethod
+    def _parse_json_object(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return json.loads(value) if value.strip() else {}
+        return value
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "Settings":
+        if self.engine == "vllm" and self.model is None:
+            raise ValueError("OCR_MODEL must name a model directory when OCR_ENGINE=vllm")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.min_image_pixels > self.max_engine_image_pixels:
+            raise ValueError("min_image_pixels must not exceed max_engine_image_pixels")
+        if self.api_keys_file is not None and not self.api_keys_file.exists():
+            raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
+        return self
+
+    @property
+    def resolved_engine_num_gpus(self) -> float:
+        if self.engine_num_gpus is not None:
+            return self.engine_num_gpus
+        return 1.0 if self.engine == "vllm" else 0.0
+
+    def masked(self) -> dict[str, Any]:
+        """Effective settings as JSON-able values, secrets masked (for `ocr-serve config` and logs)."""
+        out = json.loads(self.model_dump_json())
+        for name, value in out.items():
+            if isinstance(getattr(self, name), SecretStr) and value is not None:
+                out[name] = "**********"
+        return out
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with explicit overrides (CLI flags) on top."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,14 @@
+"""Shared test set-up. Fixture modules live in tests/fixtures/*.py and are loaded as pytest plugins, one per concern
+(documents, ray/serve apps, redis, prometheus, vllm, ...), so features add fixtures without touching this file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+pytest_plugins = sorted(
+    f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
+)
