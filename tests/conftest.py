@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback only
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest_plugins = sorted(

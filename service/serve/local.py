@@ -14,8 +14,13 @@ log = logging.getLogger(__name__)
 APP_NAME = "ocr"
 
 
+# Read by Ray at import time: a single-node cluster then binds its node IP to 127.0.0.1 instead of the host's address.
+LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
     import ray
 
     if ray.is_initialized():
