@@ -38,15 +38,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings_or_exit(engine=args.engine, port=args.port, host=args.host, model=args.model)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    local.start_ray(num_gpus=None)
+    local.start_ray(num_gpus=None, metrics_export_port=settings.metrics_export_port)
     stop = threading.Event()
+
+    def on_signal(*_):
+        if stop.is_set():  # a second signal: stop waiting for in-flight requests
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     url = local.run_app(settings)
     print(f"ocr-serve: {settings.engine} engine ready at {url} in {time.monotonic() - started:.1f}s "
-          f"(POST {url}/v1/ocr, docs {url}/docs)", flush=True)
+          f"(POST {url}/v1/ocr, docs {url}/docs, metrics {local.metrics_url()})", flush=True)
     stop.wait()
-    print("ocr-serve: shutting down (in-flight requests finish first)", flush=True)
+    # graceful drain: readiness fails and new work gets 503 at once; in-flight requests get up to the timeout
+    print(f"ocr-serve: draining (in-flight requests get up to {settings.graceful_shutdown_timeout_s:.0f}s)",
+          flush=True)
+    try:
+        left = local.drain(settings.graceful_shutdown_timeout_s)
+        if left:
+            print(f"ocr-serve: drain timeout, {left} request(s) still in flight", flush=True)
+    except KeyboardInterrupt:
+        print("ocr-serve: second signal, not waiting for in-flight requests", flush=True)
+    print("ocr-serve: shutting down", flush=True)
     local.shutdown()
     return 0
 
@@ -56,6 +71,8 @@ def cmd_ocr(args: argparse.Namespace) -> int:
 
     path = Path(args.file)
     data = path.read_bytes()
+    if data.startswith(b"%PDF-") or args.pages:  # documents go through /v1/jobs, with a progress bar
+        return _ocr_job(args, path)
     mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     body: dict = {"image": f"data:{mime};base64," + base64.b64encode(data).decode(), "task": args.task}
     if args.fields:
@@ -72,6 +89,18 @@ def cmd_ocr(args: argparse.Namespace) -> int:
         payload = {"error": {"code": "invalid_response", "message": resp.text[:200]}}
     print(json.dumps(payload, ensure_ascii=False, indent=2))
     return 0 if resp.status_code < 400 else 1
+
+
+def _ocr_job(args: argparse.Namespace, path: Path) -> int:
+    from service.jobs.client import run_job
+
+    form = {"task": args.task}
+    for name in ("fields", "target_language", "adapter", "pages"):
+        if getattr(args, name, None):
+            form[name] = getattr(args, name)
+    code, payload = run_job(url=args.url, files=[path], form=form, api_key=args.api_key, timeout=args.timeout)
+    print(json.dumps(payload, ensure_ascii=False, indent=2))
+    return code
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -99,6 +128,7 @@ def _add_ocr(sub) -> None:
     p.add_argument("--adapter")
     p.add_argument("--api-key")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--pages", help="PDF pages, e.g. 1-3,5 (PDFs run as a job with a progress bar)")
     p.set_defaults(func=cmd_ocr)
 
 
@@ -115,7 +145,8 @@ def _optional_commands() -> list[Callable]:
     """Subcommands living next to the features they drive (imported lazily so a missing extra never breaks the CLI)."""
     found = []
     for module, attr in [("service.modelkit", "add_cli"), ("service.parsing.cli", "add_cli"),
-                         ("service.admission.keys", "add_cli"), ("service.ui", "add_cli")]:
+                         ("service.admission.keys", "add_cli"), ("service.ui", "add_cli"),
+                         ("service.metrics", "add_cli")]:
         try:
             mod = __import__(module, fromlist=[attr])
         except ImportError:

@@ -73,6 +73,18 @@ class Settings(BaseSettings):
     redis_timeout_ms: int = Field(
         50, ge=1, description="Socket timeout of limiter calls to Redis; a dead Redis costs at most this."
     )
+    rate_limit_key_prefix: str = Field(
+        "ocr:rl:", description="Prefix of the Redis bucket keys (`<prefix>{tenant}`; the hash tag is Cluster-safe)."
+    )
+    rate_limit_probe_interval_s: float = Field(
+        1.0, gt=0, le=5, description="While Redis is down: how often one request probes it (recovery takes at most this)."
+    )
+    rate_limit_backend_log_interval_s: float = Field(
+        30.0, ge=0, description="While Redis is down: at most one error log line per this many seconds."
+    )
+    api_keys_reload_interval_s: float = Field(
+        1.0, ge=0, description="How often the key file is checked for changes (Secret rotation); 0 = every request."
+    )
 
     # --- engine -------------------------------------------------------------------------------------------------
     engine: EngineKind = Field(
@@ -99,6 +111,10 @@ class Settings(BaseSettings):
     max_output_tokens: int = Field(
         2048, ge=1, description="Default and upper bound of output tokens per request (budgeted with the image)."
     )
+    bench_fixed_output_tokens: bool = Field(
+        False, description="Benchmarks only: every request generates exactly its max_tokens output tokens "
+        "(ignore_eos + min_tokens), so runs compare like for like (docs/BENCHMARKS.md). Never in production."
+    )
     min_image_pixels: int = Field(512 * 512, ge=1024, description="Processor min_pixels (images are upscaled to it).")
     max_engine_image_pixels: int = Field(
         2048 * 2048, ge=1024, description="Processor max_pixels (larger images are downscaled to it)."
@@ -116,6 +132,10 @@ class Settings(BaseSettings):
     vllm_extra_args: dict[str, Any] = Field(
         default_factory=dict, description="Extra vLLM engine arguments (JSON object), passed as they are."
     )
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="vLLM KV cache size in GiB instead of gpu_memory_utilization's share (CPU engines "
+        "need it; None = vLLM's default)."
+    )
     embedded_det_limit_side_len: int = Field(
         960, ge=32, description="Embedded engine: longest side the detector sees (rapidocr `limit_side_len`)."
     )
@@ -124,12 +144,31 @@ class Settings(BaseSettings):
 
     # --- parsing / output -----------------------------------------------------------------------------------------
     repetition_min_chars: int = Field(
-        4000, ge=0, description="Repetition guard: output length before a repeating tail may be cut."
+        4000, ge=0, description="Repetition guard: output length before a repeating tail may be cut (0 = off)."
     )
     repetition_min_repeats: int = Field(
         8, ge=2, description="Repetition guard: repeats of the tail unit that count as a loop."
     )
     repetition_max_unit_chars: int = Field(200, ge=1, description="Repetition guard: longest repeating unit checked.")
+    repetition_check_every_chars: int = Field(
+        64, ge=1, description="Repetition guard: new output characters between two tail checks while streaming."
+    )
+    prompt_set: Literal["1.0", "1.5"] = Field(
+        "1.5", description="HunyuanOCR prompt wording: `1.5` fixed task-type prompts (Chinese) or `1.0` English "
+        "application prompts; tasks without a 1.5 type always use the 1.0 prompt (service/tasks.py)."
+    )
+    spotting_format: Literal["hunyuan", "json"] = Field(
+        "hunyuan", description="Spotting output HunyuanOCR 1.5 is asked for: `hunyuan` (<ref>/<quad> markup, task "
+        "spotting_hunyuan) or `json` ([{box, text}], task spotting_json). The parser reads every format either way."
+    )
+    spotting_guided_json: bool = Field(
+        False, description="With spotting_format=json: constrain spotting output to the line-array JSON Schema "
+        "(vLLM structured output), so every output parses into lines."
+    )
+    include_raw_output: bool = Field(
+        True, description="Allow requests to ask for the raw model output (`include_raw`: text, token logprobs, "
+        "rendered prompt) for replay with `ocr-serve parse`."
+    )
     extraction_guided_retry: bool = Field(
         False, description="Retry an extraction once with guided (structured) JSON decoding when validation fails."
     )
@@ -142,6 +181,12 @@ class Settings(BaseSettings):
     job_ttl_s: int = Field(3600, ge=10, description="How long job results are kept.")
     job_page_retries: int = Field(2, ge=0, description="Retries of a page whose engine call failed.")
     job_page_concurrency: int = Field(8, ge=1, description="Pages of one job in flight at once.")
+    pdf_render_timeout_s: float = Field(
+        30.0, gt=0, description="PDF sandbox: longest time to open/parse/render one page before it counts as a bomb."
+    )
+    pdf_render_memory_mb: int = Field(
+        1024, ge=256, description="PDF sandbox: address-space limit of the PDFium subprocess in MiB (PDF bombs)."
+    )
 
     # --- Ray Serve deployment --------------------------------------------------------------------------------------
     engine_num_gpus: float | None = Field(
@@ -165,10 +210,34 @@ class Settings(BaseSettings):
     latency_target_ms: float | None = Field(
         None, gt=0, description="Autoscaler latency rule: p95 target in ms (None = queue-depth rule only)."
     )
+    latency_downscale_ratio: float = Field(
+        0.8, gt=0, le=1, description="Autoscaler latency rule: replicas are removed only while p95 is below "
+        "latency_target_ms × this ratio (hysteresis) and the queue is short (service/serve/autoscaling.py)."
+    )
+    autoscaling_look_back_s: float = Field(
+        30.0, gt=0, description="Autoscaler: window over which queue depth and p95 latency are averaged."
+    )
+    autoscaling_metrics_interval_s: float = Field(
+        10.0, gt=0, description="Autoscaler: how often replicas and handles push queue/latency metrics "
+        "(below autoscaling_look_back_s)."
+    )
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period of engine replicas.")
     health_check_timeout_s: float = Field(60.0, gt=0, description="Serve health check timeout of engine replicas.")
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="Time in-flight requests get to finish when a replica stops."
+    )
+
+    # --- observability ---------------------------------------------------------------------------------------------
+    metrics_enabled: bool = Field(
+        True, description="Record `ocr_*` (and vLLM's `vllm:*`) metrics through Ray's metrics agent (docs/METRICS.md)."
+    )
+    metrics_export_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="`ocr-serve serve`: port of Ray's Prometheus endpoint on this node (None = Ray picks a free one; "
+        "KubeRay uses 8080).",
+    )
+    latency_slo_s: float = Field(
+        10.0, gt=0, description="p95 end-to-end latency objective in seconds (dashboards, `OCRHighP95Latency` alert)."
     )
 
     @field_validator("allowed_formats")

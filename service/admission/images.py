@@ -15,6 +15,7 @@ import re
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, ImageOps
 
 from service.errors import OCRError
@@ -111,9 +112,9 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
                     "image_too_large",
                     f"image is {width}x{height}; limits are {max_pixels} pixels and {max_side} px per side",
                 )
-            frames = getattr(img, "n_frames", 1)
-            if frames > max_frames:
-                raise OCRError("image_too_large", f"image has {frames} frames; at most {max_frames} accepted")
+            if _too_many_frames(img, max_frames):
+                raise OCRError("image_too_large", f"image has more than {max_frames} frame(s); "
+                               f"at most {max_frames} accepted")
             img.load()
             img = ImageOps.exif_transpose(img)
             img = _to_rgb(img)
@@ -121,7 +122,8 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise OCRError("image_too_large", "image exceeds the decompression limit") from exc
-    except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, MemoryError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 — whatever a decoder raises on hostile bytes is the file's fault
+        # (OSError, SyntaxError, struct.error, ZeroDivisionError, MemoryError, ... seen from Pillow's plugins)
         raise OCRError("invalid_image", f"the {fmt} file could not be decoded (corrupt or truncated)") from exc
     return DecodedImage(image=img, format=fmt, width=img.width, height=img.height)
 
@@ -130,9 +132,10 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     """Any mode (palette, CMYK, 16-bit, alpha) → 8-bit RGB; transparency composited on white."""
     if img.mode == "RGB":
         return img
-    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-        arr = img.point(lambda v: v * (1 / 256)).convert("L")
-        return arr.convert("RGB")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16-bit (and 32-bit integer) grey → 8-bit by dropping the low byte; numpy handles every byte order
+        grey = (np.clip(np.asarray(img, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
+        return Image.fromarray(grey, mode="L").convert("RGB")
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "LA", "PA"):
@@ -141,6 +144,20 @@ def _to_rgb(img: Image.Image) -> Image.Image:
         canvas.paste(rgba, mask=rgba.getchannel("A"))
         return canvas
     return img.convert("RGB")
+
+
+# formats whose extra frames are content (animations, multi-page scans); MPO's extra frames are previews/depth maps
+# of the same photo, so only its first frame is read and it is never rejected for its frame count
+_MULTI_FRAME_FORMATS = ("GIF", "TIFF", "PNG", "WEBP")
+
+
+def _too_many_frames(img: Image.Image, max_frames: int) -> bool:
+    """Frame cap without walking a hostile file's every frame when the cap is 1 (the default)."""
+    if img.format not in _MULTI_FRAME_FORMATS:
+        return False
+    if max_frames == 1:
+        return bool(getattr(img, "is_animated", False))  # looks for a second frame only
+    return getattr(img, "n_frames", 1) > max_frames
 
 
 def encode_png(img: Image.Image) -> bytes:

@@ -17,7 +17,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.api.context import AppContext
 from service.api.health import make_router as health_router
 from service.api.ocr import make_router as ocr_router
+from service.api.jobs import JOB_MULTIPART_OVERHEAD_BYTES
+from service.api.jobs import make_router as jobs_router
 from service.errors import ERROR_CODES, OCRError
+from service.metrics import RequestMetricsMiddleware
+from service.ui import make_router as ui_router
 
 log = logging.getLogger(__name__)
 
@@ -25,55 +29,90 @@ log = logging.getLogger(__name__)
 class BodySizeLimit:
     """413 `payload_too_large` as soon as the body passes the cap, counted while streaming (no Content-Length trust)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = path_limits or {}  # exact path → its own cap (jobs take PDFs up to max_pdf_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_large = OCRError("payload_too_large", f"request body exceeds {self.max_bytes} bytes")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        too_large = OCRError("payload_too_large", f"request body exceeds {max_bytes} bytes")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             await _send_error(send, too_large)
             return
         received = 0
         response_started = False
+        overflowed = False  # once set, whatever the app answers (a parser may swallow the exception) is replaced
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, overflowed
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
+                    overflowed = True
                     raise _BodyTooLarge()
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal response_started
+            if overflowed and not response_started:
+                return  # e.g. multipart parsing turned _BodyTooLarge into a 400: the client gets the 413 below
             if message["type"] == "http.response.start":
                 response_started = True
             await send(message)
 
         try:
             await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not response_started:
-                await _send_error(send, too_large)
+        except Exception:
+            if not overflowed:
+                raise  # not a body overflow: the error handlers outside report it
+        if overflowed and not response_started:
+            await _send_error(send, too_large)
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
+class DrainGate:
+    """Counts HTTP requests in `ctx.in_flight` (the drain waits for 0). While `ctx.draining`, requests that would
+    start new work (POST, PUT, PATCH, DELETE) get 503 `shutting_down` with Retry-After; reads (GET/HEAD: probes,
+    metrics, job polling) are still answered."""
+
+    NEW_WORK = {"POST", "PUT", "PATCH", "DELETE"}
+
+    def __init__(self, app: ASGIApp, ctx: AppContext):
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.ctx.draining and scope.get("method") in self.NEW_WORK:
+            await _send_error(send, OCRError("shutting_down", "this instance is shutting down; retry",
+                                             headers={"Retry-After": "1"}))
+            return
+        self.ctx.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.ctx.in_flight -= 1
+
+
 async def _send_error(send: Send, error: OCRError) -> None:
     import json
 
     body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in (error.headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -121,7 +160,13 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     app.include_router(health_router(ctx))
     app.include_router(ocr_router(ctx))
+    app.include_router(jobs_router(ctx))
+    app.include_router(ui_router(ctx))
     for extend in ctx.extras.get("routers", []):
         app.include_router(extend(ctx))
-    app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=ctx.settings.max_body_bytes,
+                       path_limits={"/v1/jobs": ctx.settings.max_pdf_bytes + JOB_MULTIPART_OVERHEAD_BYTES})
+    app.add_middleware(DrainGate, ctx=ctx)  # outermost: a draining instance refuses before reading any body
+    # counts every /v1/ocr (and /v1/jobs) answer with its final status, whichever layer produced it
+    app.add_middleware(RequestMetricsMiddleware, metrics=ctx.metrics)
     return app

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Protocol
 from service.admission.auth import ANONYMOUS, Principal
 from service.admission.ratelimit import LocalTokenBucket, Limiter
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
+from service.metrics import IngressMetrics
 from service.settings import Settings
 
 
@@ -50,6 +51,8 @@ class AppContext:
     limiter: Limiter = field(default_factory=LocalTokenBucket)
     engine_info: EngineInfo | None = None
     draining: bool = False  # set on SIGTERM: readiness fails, new work is refused
+    in_flight: int = 0  # HTTP requests admitted and not yet answered (drain waits for 0)
+    metrics: IngressMetrics = field(default_factory=IngressMetrics)  # off unless built for a Ray replica
     extras: dict[str, Any] = field(default_factory=dict)  # optional components (metrics, job store)
 
     async def get_engine_info(self) -> EngineInfo:

@@ -18,13 +18,19 @@ from pydantic import ValidationError
 
 from service.admission.auth import Principal
 from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm
-from service.admission.images import decode_base64_image, decode_image, encode_png, resize_to, sniff_format
-from service.admission.prompts import build_prompt
+from service.admission.images import (DecodedImage, decode_base64_image, decode_image, encode_png, resize_to,
+                                     sniff_format)
+from service.admission.limits import check_request_limits
+from service.admission.prompts import build_prompt, guided_json_for
 from service.api.context import AppContext
 from service.api.protocol import OCRRequest, OCRResponse
-from service.engine.protocol import EngineRequest
+from service.engine.protocol import EngineRequest, EngineResult
 from service.errors import OCRError
-from service.parsing.result import PageGeometry, build_response, parse_engine_output
+from service.metrics import STATE_TASK, STATE_TENANT
+from service.parsing.extraction import check_schema, schema_for_fields
+from service.parsing.repetition import guard_result
+from service.parsing.result import PageGeometry, ParsedOutput, build_response, parse_engine_output
+from service.parsing.streaming import OutputStream
 from service.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -41,6 +47,7 @@ class PreparedPage:
     geometry: PageGeometry
     plan: ImagePlan
     decode_ms: float
+    source: str = "image"  # image | pdf (metrics label)
 
 
 def _multipart_schema() -> dict:
@@ -85,15 +92,7 @@ async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, byte
             if not isinstance(value, str):
                 raise OCRError("invalid_request", f"form field {key!r} must be text")
             fields[key] = value
-        if "fields" in fields:
-            raw = fields["fields"].strip()
-            fields["fields"] = _json_or(raw, [f.strip() for f in raw.split(",") if f.strip()])
-        if "schema" in fields:
-            fields["schema"] = _json_or(fields["schema"], None, "schema must be a JSON object")
-        try:
-            model = OCRRequest.model_validate(fields)
-        except ValidationError as exc:
-            raise OCRError("validation_error", _first_error(exc)) from exc
+        model = request_from_form_fields(fields)
         if model.image:
             raise OCRError("invalid_request", "send the image either as `file` or as `image`, not both")
         if not data:
@@ -106,7 +105,7 @@ async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, byte
         raise OCRError("empty_image", "the request body is empty")
     try:
         payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: `[[[[...` nested JSON
         raise OCRError("invalid_request", "the body is not valid JSON") from exc
     if not isinstance(payload, dict):
         raise OCRError("invalid_request", "the body must be a JSON object")
@@ -119,10 +118,24 @@ async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, byte
     return model, decode_base64_image(model.image, settings.max_body_bytes)
 
 
+def request_from_form_fields(fields: dict[str, Any]) -> OCRRequest:
+    """Multipart text fields → OCRRequest (`fields` as a JSON list or comma-separated, `schema` as JSON)."""
+    fields = dict(fields)
+    if "fields" in fields:
+        raw = fields["fields"].strip()
+        fields["fields"] = _json_or(raw, [f.strip() for f in raw.split(",") if f.strip()])
+    if "schema" in fields:
+        fields["schema"] = _json_or(fields["schema"], None, "schema must be a JSON object")
+    try:
+        return OCRRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise OCRError("validation_error", _first_error(exc)) from exc
+
+
 def _json_or(raw: str, default: Any, error: str | None = None) -> Any:
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         if error:
             raise OCRError("invalid_request", error) from None
         return default
@@ -135,6 +148,7 @@ def _first_error(exc: ValidationError) -> str:
 
 
 async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
+    check_request_limits(req, ctx.settings)  # sizes first: the same 4xx whatever the engine
     if req.task not in TASKS:
         raise OCRError("unknown_task", f"unknown task {req.task!r}; tasks: {', '.join(TASKS)}")
     info = await ctx.get_engine_info()
@@ -147,6 +161,10 @@ async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
         raise OCRError("invalid_request", "task `translate` needs `target_language`")
     if req.fields is not None and len(req.fields) > ctx.settings.max_fields:
         raise OCRError("validation_error", f"at most {ctx.settings.max_fields} fields")
+    if req.json_schema is not None:
+        check_schema(req.json_schema, ctx.settings.max_schema_bytes)
+    if req.include_raw and not ctx.settings.include_raw_output:
+        raise OCRError("forbidden", "raw model output is disabled on this service (include_raw_output)")
 
 
 def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str,
@@ -154,13 +172,22 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str
     """CPU work of admission (run in a thread): decode, orient, budget, resize, re-encode, prompt."""
     s = ctx.settings
     started = time.perf_counter()
-    if sniff_format(data) == "PDF":
+    source = "pdf" if sniff_format(data) == "PDF" else "image"
+    if source == "pdf":
         from service.admission.pdf import render_single_page
 
         decoded = render_single_page(data, s)
     else:
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                max_side=s.max_image_side, max_frames=s.max_frames)
+    return prepare_decoded_page(ctx, req, decoded, engine_name, request_id, started=started, source=source)
+
+
+def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine_name: str, request_id: str,
+                         *, started: float | None = None, source: str = "image") -> PreparedPage:
+    """Budget, resize, re-encode and prompt an already decoded page (also used by jobs for rendered PDF pages)."""
+    s = ctx.settings
+    started = time.perf_counter() if started is None else started
     task = TASKS[req.task]
     max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
     if engine_name == "embedded":
@@ -173,10 +200,12 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str
     engine_request = EngineRequest(
         request_id=request_id, task=req.task, image_png=encode_png(image), width=plan.width, height=plan.height,
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
-        repetition_penalty=s.repetition_penalty,
+        repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s),
     )
+    if s.bench_fixed_output_tokens:  # benchmarks: fixed output length, whatever the (random) weights emit
+        engine_request.min_tokens, engine_request.ignore_eos = engine_request.max_tokens, True
     geometry = PageGeometry(decoded.width, decoded.height, plan.width, plan.height)
-    return PreparedPage(engine_request, geometry, plan, (time.perf_counter() - started) * 1000)
+    return PreparedPage(engine_request, geometry, plan, (time.perf_counter() - started) * 1000, source)
 
 
 def rate_limit_cost(ctx: AppContext, plan: ImagePlan, pages: int = 1) -> float:
@@ -207,6 +236,7 @@ async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tu
                                                                                       dict[str, str]]:
     """Everything before the engine call; returns the prepared page and rate-limit headers."""
     req, data = await read_ocr_request(request, ctx.settings)
+    setattr(request.state, STATE_TASK, req.task)  # metrics label (bounded to the task table by the middleware)
     await validate_task(ctx, req)
     if not principal.may_use_adapter(req.adapter):
         raise OCRError("forbidden", f"this API key may not use adapter {req.adapter!r}")
@@ -215,6 +245,15 @@ async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tu
     page = await asyncio.to_thread(prepare_page, ctx, req, data, info.name, request_id)
     headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))
     return req, page, headers
+
+
+def record_page(ctx: AppContext, req: OCRRequest, page: PreparedPage, result: EngineResult,
+                confidence: float | None, timings_ms: dict[str, float]) -> None:
+    """Per-page metrics of a successful page (stage latencies, tokens, confidence, repetition cut-offs)."""
+    ctx.metrics.page_done(task=req.task, source=page.source, timings_ms=timings_ms,
+                          image_tokens=result.image_tokens or page.plan.image_tokens,
+                          output_tokens=result.output_tokens, confidence=confidence,
+                          finish_reason=result.finish_reason, adapter=req.adapter)
 
 
 def make_router(ctx: AppContext) -> APIRouter:
@@ -226,16 +265,21 @@ def make_router(ctx: AppContext) -> APIRouter:
     async def ocr(request: Request):
         started = time.perf_counter()
         principal = ctx.authenticator.authenticate(request.headers)
+        setattr(request.state, STATE_TENANT, principal.tenant)
         req, page, headers = await run_ocr(ctx, request, principal)
         info = await ctx.get_engine_info()
         if req.stream:
             return StreamingResponse(_stream_events(ctx, req, page, info.model, started), headers=headers,
                                      media_type="text/event-stream")
         engine_started = time.perf_counter()
-        result = await ctx.engine.generate(page.engine_request)
+        with ctx.metrics.waiting_for_engine():
+            result = await ctx.engine.generate(page.engine_request)
         engine_total_ms = (time.perf_counter() - engine_started) * 1000
         parse_started = time.perf_counter()
+        result = guard_result(result, ctx.settings)  # engines that could not cut a loop while generating
         parsed = parse_engine_output(req.task, result, page.geometry, fields=req.fields, schema=req.json_schema)
+        if parsed.errors and req.task == "extract" and ctx.settings.extraction_guided_retry:
+            result, parsed = await _guided_extraction_retry(ctx, req, page, result, parsed)
         parse_ms = (time.perf_counter() - parse_started) * 1000
         timings = {
             "decode": page.decode_ms,
@@ -246,7 +290,8 @@ def make_router(ctx: AppContext) -> APIRouter:
         }
         response = build_response(request_id=page.engine_request.request_id, model=req.adapter or info.model,
                                   task=req.task, result=result, geom=page.geometry, parsed=parsed,
-                                  timings_ms=timings, adapter=req.adapter)
+                                  timings_ms=timings, adapter=req.adapter, include_raw=req.include_raw)
+        record_page(ctx, req, page, result, parsed.confidence, timings)
         return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
     return router
@@ -254,27 +299,59 @@ def make_router(ctx: AppContext) -> APIRouter:
 
 async def _stream_events(ctx: AppContext, req: OCRRequest, page: PreparedPage, model: str,
                          started: float) -> AsyncIterator[str]:
-    """SSE: `delta` events with partial text, then one `result` event with the full response (or `error`)."""
+    """SSE (service.parsing.streaming): `delta` and `line` events while the model writes, then one `result` event
+    with the full response (or `error`). A looping output is cut by the repetition guard."""
     try:
         final = None
-        async for delta in ctx.engine.stream(page.engine_request):
-            if delta.final is not None:
-                final = delta.final
-            elif delta.text:
-                yield _sse("delta", {"text": delta.text})
+        info = await ctx.get_engine_info()
+        output = OutputStream(req.task, page.geometry, ctx.settings, generative=info.name != "embedded")
+        with ctx.metrics.waiting_for_engine():
+            deltas = ctx.engine.stream(page.engine_request)
+            try:
+                async for delta in deltas:
+                    if delta.final is not None:
+                        final = delta.final
+                        break
+                    for event, data in output.feed(delta):
+                        yield _sse(event, data)
+                    if output.stop_reading:  # looping, and the engine did not cut it itself
+                        final = output.cut_result()  # closing the stream aborts the generation
+                        break
+            finally:
+                if hasattr(deltas, "aclose"):
+                    await deltas.aclose()
+        if final is None and output.looping:
+            final = output.cut_result()
         assert final is not None, "engine stream ended without a final result"
+        final = guard_result(final, ctx.settings)  # a loop that closed between two guard checks
         parsed = parse_engine_output(req.task, final, page.geometry, fields=req.fields, schema=req.json_schema)
         timings = {"decode": page.decode_ms, "engine": final.engine_ms,
                    "total": (time.perf_counter() - started) * 1000}
         response = build_response(request_id=page.engine_request.request_id, model=req.adapter or model,
                                   task=req.task, result=final, geom=page.geometry, parsed=parsed,
-                                  timings_ms=timings, adapter=req.adapter)
+                                  timings_ms=timings, adapter=req.adapter, include_raw=req.include_raw)
+        record_page(ctx, req, page, final, parsed.confidence, timings)
         yield _sse("result", response.model_dump(mode="json"))
     except OCRError as exc:
         yield _sse("error", exc.body())
     except Exception:
         log.exception("stream failed")
         yield _sse("error", OCRError("internal_error", "the engine failed while streaming").body())
+
+
+async def _guided_extraction_retry(ctx: AppContext, req: OCRRequest, page: PreparedPage, result: EngineResult,
+                                   parsed: ParsedOutput) -> tuple[EngineResult, ParsedOutput]:
+    """Extraction failed validation: run once more with the schema enforced by structured output (guided JSON)."""
+    schema = req.json_schema or schema_for_fields(req.fields or [])
+    retry_request = page.engine_request.model_copy(update={"guided_json": schema})
+    with ctx.metrics.waiting_for_engine():
+        retried = await ctx.engine.generate(retry_request)
+    reparsed = parse_engine_output(req.task, retried, page.geometry, fields=req.fields, schema=req.json_schema)
+    if reparsed.errors and len(reparsed.errors) >= len(parsed.errors or []):
+        parsed.warnings.append("a guided-JSON retry did not validate better; the first answer is kept")
+        return result, parsed
+    reparsed.warnings.append("the first answer failed validation; this one was generated with guided JSON")
+    return retried, reparsed
 
 
 def _sse(event: str, data: Any) -> str:

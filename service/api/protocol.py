@@ -26,6 +26,10 @@ class OCRRequest(BaseModel):
     adapter: str | None = Field(None, max_length=128, description="LoRA adapter name (vLLM engine).")
     max_tokens: int | None = Field(None, ge=1, description="Output token limit (capped by the image budget).")
     stream: bool = Field(False, description="Send Server-Sent Events: partial output, then the final result.")
+    include_raw: bool = Field(
+        False, description="Add `raw` to the response: the model's raw output, its token logprobs and the rendered "
+        "prompt (replay with `ocr-serve parse --raw-json`)."
+    )
 
 
 class Line(BaseModel):
@@ -33,12 +37,26 @@ class Line(BaseModel):
     box: list[int] = Field(description="[x1, y1, x2, y2] in pixels of the uploaded image.")
     polygon: list[list[int]] = Field(description="4 points [[x, y], ...] clockwise from top-left, pixels.")
     confidence: float | None = Field(None, description="0-1; see docs/API.md for the formula.")
+    category: str | None = Field(None, description="Layout category (task `layout`), e.g. `title`, `table`.")
 
 
 class FieldValue(BaseModel):
-    value: Any = None
-    confidence: float | None = None
-    valid: bool = True
+    value: Any = Field(None, description="The extracted value (coerced to the schema's simple types).")
+    confidence: float | None = Field(None, description="0-1: geometric-mean probability of the value's tokens.")
+    valid: bool = Field(True, description="False when the value is missing or fails the schema.")
+
+
+class RawToken(BaseModel):
+    token: str = Field(description="Decoded text of the sampled token.")
+    logprob: float = Field(description="Natural-log probability of the sampled token.")
+
+
+class RawOutput(BaseModel):
+    """What the model produced, for debugging and replay (`include_raw: true`)."""
+
+    text: str = Field(description="The model's output text, unparsed.")
+    tokens: list[RawToken] | None = Field(None, description="Sampled tokens with logprobs, in order.")
+    rendered_prompt: str | None = Field(None, description="The full prompt as the engine sent it to the model.")
 
 
 class ImageInfo(BaseModel):
@@ -71,6 +89,7 @@ class OCRResponse(BaseModel):
     finish_reason: str = "stop"
     warnings: list[str] = Field(default_factory=list)
     adapter: str | None = None
+    raw: RawOutput | None = Field(None, description="Raw model output (only with `include_raw: true`).")
 
 
 class ErrorBody(BaseModel):

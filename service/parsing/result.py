@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from service.api.protocol import ImageInfo, Line, OCRResponse, Usage
+from service.api.protocol import ImageInfo, Line, OCRResponse, RawOutput, RawToken, Usage
 from service.engine.protocol import EngineLine, EngineResult
+from service.parsing.repetition import REPETITION_WARNING
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,16 @@ def parse_engine_output(task: str, result: EngineResult, geom: PageGeometry, *, 
 
 def build_response(*, request_id: str, model: str, task: str, result: EngineResult, geom: PageGeometry,
                    parsed: ParsedOutput, timings_ms: dict[str, float], adapter: str | None = None,
-                   extra_warnings: list[str] | None = None) -> OCRResponse:
+                   extra_warnings: list[str] | None = None, include_raw: bool = False) -> OCRResponse:
     warnings = list(parsed.warnings) + list(extra_warnings or [])
     if result.finish_reason == "length":
         warnings.append("output hit max_tokens; the result may be incomplete")
+    elif result.finish_reason == "repetition":
+        warnings.append(REPETITION_WARNING)
+    raw = None
+    if include_raw:
+        tokens = [RawToken(token=t.token, logprob=t.logprob) for t in result.tokens] if result.tokens else None
+        raw = RawOutput(text=result.text, tokens=tokens, rendered_prompt=result.rendered_prompt)
     return OCRResponse(
         id=request_id,
         model=model,
@@ -109,4 +116,5 @@ def build_response(*, request_id: str, model: str, task: str, result: EngineResu
         finish_reason=result.finish_reason,
         warnings=warnings,
         adapter=adapter,
+        raw=raw,
     )

@@ -10,6 +10,7 @@ import logging
 from typing import Any, AsyncIterator
 
 from ray import serve
+from ray.serve.config import AutoscalingPolicy
 from ray.serve.handle import DeploymentHandle
 
 from service.api.app import create_app
@@ -17,6 +18,8 @@ from service.api.context import AppContext
 from service.engine import make_engine
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
 from service.errors import OCRError
+from service.metrics import EngineMetrics, IngressMetrics
+from service.serve.autoscaling import POLICY_IMPORT_PATH, LatencyWindow
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,17 +36,32 @@ class EngineDeployment:
         self.settings = Settings.model_validate(settings)
         logging.getLogger("service").setLevel(self.settings.log_level)
         self.engine = make_engine(self.settings)
+        # request latencies for the autoscaler's latency rule (service/serve/autoscaling.py)
+        self.latency = LatencyWindow(window_s=self.settings.autoscaling_look_back_s)
+        self.metrics = EngineMetrics.for_settings(self.settings)  # ocr_engine_* of this replica
         await self.engine.start()
+        self.metrics.healthy(True)
 
     async def generate(self, request: EngineRequest) -> EngineResult:
-        return await self.engine.generate(request)
+        with self.latency.track(), self.metrics.ongoing():
+            return await self.engine.generate(request)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        async for delta in self.engine.stream(request):
-            yield delta
+        with self.latency.track(), self.metrics.ongoing():
+            async for delta in self.engine.stream(request):
+                yield delta
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Custom autoscaling metrics Serve pushes to the controller (p95 latency over the look-back window)."""
+        return self.latency.stats()
 
     async def check_health(self) -> None:
-        await self.engine.check_health()
+        try:
+            await self.engine.check_health()
+        except BaseException:
+            self.metrics.healthy(False)
+            raise
+        self.metrics.healthy(True)
 
     async def info(self) -> EngineInfo:
         return await self.engine.info()
@@ -52,12 +70,19 @@ class EngineDeployment:
         return await self.engine.list_adapters()
 
     async def load_adapter(self, name: str, path: str | None = None) -> None:
-        await self.engine.load_adapter(name, path)
+        try:
+            await self.engine.load_adapter(name, path)
+        except OCRError as exc:
+            if exc.code != "unknown_adapter":  # an unknown name is a client mistake, not a load (bounded labels)
+                self.metrics.adapter_loaded(name, ok=False)
+            raise
+        self.metrics.adapter_loaded(name, ok=True)
 
     async def unload_adapter(self, name: str) -> None:
         await self.engine.unload_adapter(name)
 
     async def __del__(self):  # Serve calls it on graceful replica shutdown
+        self.metrics.close()
         try:
             await self.engine.shutdown()
         except Exception:  # best effort: the process is going away
@@ -78,6 +103,15 @@ def translate_engine_error(exc: BaseException) -> OCRError | None:
     return None
 
 
+def replica_died(exc: BaseException) -> bool:
+    """The engine replica's process died (or became unreachable) under the request: safe to retry elsewhere.
+    A dead engine inside a live replica (vLLM EngineDeadError) is not retried: the request may be what killed it."""
+    from ray.exceptions import RayActorError  # ActorDiedError, ActorUnavailableError
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    return isinstance(exc, (RayActorError, ReplicaUnavailableError))
+
+
 class ServeEngineClient:
     """EngineClient over a Serve deployment handle; adapters route through Serve model multiplexing."""
 
@@ -90,24 +124,39 @@ class ServeEngineClient:
         return self._handle
 
     async def generate(self, request: EngineRequest) -> EngineResult:
-        try:
-            return await self._for(request).generate.remote(request)
-        except Exception as exc:
-            err = translate_engine_error(exc)
-            if err is None:
-                raise
-            raise err from None
+        for attempt in (1, 2):
+            try:
+                return await self._for(request).generate.remote(request)
+            except Exception as exc:
+                if attempt == 1 and replica_died(exc):
+                    # OCR is idempotent: the router has dropped the dead replica, so this goes to another one
+                    log.warning("engine replica died under request %s (%s); retrying once",
+                                request.request_id, type(exc).__name__)
+                    continue
+                err = translate_engine_error(exc)
+                if err is None:
+                    raise
+                raise err from None
+        raise AssertionError("unreachable")
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        try:
-            gen = self._for(request).options(stream=True).stream.remote(request)
-            async for delta in gen:
-                yield delta
-        except Exception as exc:
-            err = translate_engine_error(exc)
-            if err is None:
-                raise
-            raise err from None
+        for attempt in (1, 2):
+            yielded = False
+            try:
+                gen = self._for(request).options(stream=True).stream.remote(request)
+                async for delta in gen:
+                    yielded = True
+                    yield delta
+                return
+            except Exception as exc:
+                if attempt == 1 and not yielded and replica_died(exc):  # retry only while nothing was sent
+                    log.warning("engine replica died under stream %s (%s); retrying once",
+                                request.request_id, type(exc).__name__)
+                    continue
+                err = translate_engine_error(exc)
+                if err is None:
+                    raise
+                raise err from None
 
     async def info(self) -> EngineInfo:
         return await self._handle.info.remote()
@@ -137,10 +186,24 @@ class IngressDeployment:
     def __serve_build_asgi_app__(self):
         return create_app(self.ctx)
 
+    async def drain(self) -> dict[str, Any]:
+        """Start draining this replica (readiness fails, new work gets 503 `shutting_down`); called through a
+        handle by `ocr-serve serve` on SIGTERM, and repeatedly to watch the in-flight count reach 0."""
+        self.ctx.draining = True
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "in_flight": self.ctx.in_flight}
+
 
 def build_context(settings: Settings, engine_client) -> AppContext:
     """AppContext with the admission components the settings ask for."""
-    return AppContext(settings=settings, engine=engine_client)
+    from service.admission.auth import make_authenticator
+    from service.admission.ratelimit import make_limiter
+
+    metrics = IngressMetrics.for_settings(settings)
+    # limiter: Redis buckets (with failover) when redis_url is set, else this replica's share in-process;
+    # Redis failures are counted as `ocr_ratelimit_backend_errors_total`
+    return AppContext(settings=settings, engine=engine_client, authenticator=make_authenticator(settings),
+                      limiter=make_limiter(settings, on_backend_error=metrics.limiter_backend_error),
+                      metrics=metrics)
 
 
 def engine_deployment_options(settings: Settings) -> dict[str, Any]:
@@ -150,9 +213,18 @@ def engine_deployment_options(settings: Settings) -> dict[str, Any]:
         "target_ongoing_requests": settings.target_ongoing_requests,
         "upscale_delay_s": settings.upscale_delay_s,
         "downscale_delay_s": settings.downscale_delay_s,
+        "look_back_period_s": settings.autoscaling_look_back_s,
     }
+    if settings.autoscaling_metrics_interval_s != 10.0:  # Serve warns on any explicit value (field is deprecated)
+        autoscaling["metrics_interval_s"] = settings.autoscaling_metrics_interval_s
     if settings.initial_replicas is not None:
         autoscaling["initial_replicas"] = settings.initial_replicas
+    if settings.latency_target_ms is not None:  # queue-depth rule + latency rule
+        autoscaling["policy"] = AutoscalingPolicy(
+            policy_function=POLICY_IMPORT_PATH,
+            policy_kwargs={"latency_target_ms": settings.latency_target_ms,
+                           "latency_downscale_ratio": settings.latency_downscale_ratio},
+        )
     options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,
         "ray_actor_options": {"num_cpus": settings.engine_num_cpus, "num_gpus": settings.resolved_engine_num_gpus},

@@ -18,7 +18,8 @@ APP_NAME = "ocr"
 LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def start_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
+def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
+              metrics_export_port: int | None = None) -> None:
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     import ray
@@ -33,7 +34,16 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None) -> None:
         num_gpus=num_gpus,
         logging_level=logging.WARNING,
         log_to_driver=True,
+        _metrics_export_port=metrics_export_port,  # Prometheus endpoint of this node (None = a free port)
     )
+
+
+def metrics_url() -> str | None:
+    """Prometheus endpoint of this node's Ray metrics agent (the service's `ocr_*` metrics; docs/METRICS.md)."""
+    import ray
+
+    ports = [n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+    return f"http://127.0.0.1:{ports[0]}/metrics" if ports else None
 
 
 def run_app(settings: Settings, *, wait_ready_s: float = 600.0) -> str:
@@ -61,6 +71,37 @@ def wait_ready(url: str, timeout_s: float) -> None:
             last = exc
         time.sleep(0.5)
     raise TimeoutError(f"service at {url} not ready after {timeout_s:.0f}s (last error: {last!r})")
+
+
+def drain(timeout_s: float) -> int:
+    """Graceful drain before shutdown: every ingress replica fails readiness and refuses new work, then this waits
+    (at most `timeout_s`) until none has a request in flight. Returns the requests still in flight at the end."""
+    from ray import serve
+
+    from service.serve.app import INGRESS_DEPLOYMENT
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        status = serve.status().applications[APP_NAME].deployments[INGRESS_DEPLOYMENT]
+        replicas = max(1, status.replica_states.get("RUNNING", 1))
+        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME)
+    except Exception as exc:  # app never came up: nothing to drain
+        log.warning("drain skipped: %s", type(exc).__name__)
+        return 0
+    in_flight: dict[str, int] = {}  # replica → last reported count; a drained replica's count only goes down
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            state = handle.drain.remote().result(timeout_s=max(1.0, remaining))
+            in_flight[state["replica"]] = state["in_flight"]
+        except Exception as exc:  # a replica that cannot answer has nothing we can wait for
+            log.warning("drain call failed: %s", type(exc).__name__)
+        # calls are routed to a random replica: keep calling until every replica has reported (and reports 0)
+        if len(in_flight) >= replicas and not any(in_flight.values()):
+            return 0
+        if remaining <= 0:
+            return sum(in_flight.values())
+        time.sleep(0.2)
 
 
 def shutdown() -> None:

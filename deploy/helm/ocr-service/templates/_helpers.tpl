@@ -1,0 +1,188 @@
+{{/*
+Names: everything is named after the release (no fixed names), so two releases can share a namespace.
+*/}}
+{{- define "ocr.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "ocr.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ocr.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels shared by every pod of the release. */}}
+{{- define "ocr.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ocr.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "ocr.labels" -}}
+helm.sh/chart: {{ include "ocr.chart" . }}
+{{ include "ocr.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ocr-service
+{{- end -}}
+
+{{/* Pod template labels: stable across chart versions, so a chart upgrade alone does not roll a new RayCluster. */}}
+{{- define "ocr.podLabels" -}}
+{{ include "ocr.selectorLabels" . }}
+app.kubernetes.io/part-of: ocr-service
+{{- end -}}
+
+{{- define "ocr.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "ocr.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ocr.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "ocr.serveServiceName" -}}{{ include "ocr.fullname" . }}-serve{{- end -}}
+{{- define "ocr.redisName" -}}{{ include "ocr.fullname" . }}-redis{{- end -}}
+{{- define "ocr.apiKeysSecretName" -}}
+{{- default (printf "%s-api-keys" (include "ocr.fullname" .)) .Values.apiKeys.existingSecret -}}
+{{- end -}}
+{{- define "ocr.redisSecretName" -}}
+{{- default (printf "%s-redis-url" (include "ocr.fullname" .)) .Values.redis.external.existingSecret -}}
+{{- end -}}
+
+{{/* Whether the limiter gets a Redis URL, and from where. */}}
+{{- define "ocr.redisMode" -}}
+{{- if .Values.redis.external.url -}}external
+{{- else if .Values.redis.external.existingSecret -}}external
+{{- else if .Values.redis.enabled -}}internal
+{{- else -}}none
+{{- end -}}
+{{- end -}}
+
+{{/* Largest body the service accepts (settings.max_body_bytes; Settings' default when unset). */}}
+{{- define "ocr.maxBodyBytes" -}}
+{{- $v := 20971520 -}}
+{{- if hasKey .Values.settings "max_body_bytes" -}}{{- $v = get .Values.settings "max_body_bytes" -}}{{- end -}}
+{{- int64 $v -}}
+{{- end -}}
+
+{{/*
+The Serve application's `args`: settings field values (service/settings.py; the builder does Settings(**args)).
+User settings first, then the values the chart owns (replicas, paths, mounts), which win.
+*/}}
+{{- define "ocr.serveArgs" -}}
+{{- $args := deepCopy .Values.settings -}}
+{{- $as := .Values.autoscaling -}}
+{{- if $as.enabled -}}
+{{- $_ := set $args "min_replicas" (int $as.minReplicas) -}}
+{{- $_ := set $args "max_replicas" (int $as.maxReplicas) -}}
+{{- if not (kindIs "invalid" $as.initialReplicas) -}}{{- $_ := set $args "initial_replicas" (int $as.initialReplicas) -}}{{- end -}}
+{{- $_ := set $args "target_ongoing_requests" $as.targetOngoingRequests -}}
+{{- $_ := set $args "upscale_delay_s" $as.upscaleDelaySeconds -}}
+{{- $_ := set $args "downscale_delay_s" $as.downscaleDelaySeconds -}}
+{{- $_ := set $args "autoscaling_look_back_s" $as.lookBackPeriodSeconds -}}
+{{- $_ := set $args "autoscaling_metrics_interval_s" $as.metricsIntervalSeconds -}}
+{{- $_ := set $args "latency_target_ms" $as.latencyTargetMs -}}
+{{- $_ := set $args "latency_downscale_ratio" $as.latencyDownscaleRatio -}}
+{{- else -}}
+{{- $_ := set $args "min_replicas" (int .Values.engine.replicas) -}}
+{{- $_ := set $args "max_replicas" (int .Values.engine.replicas) -}}
+{{- end -}}
+{{- $_ := set $args "engine_num_gpus" (int .Values.engine.gpusPerReplica) -}}
+{{- $_ := set $args "engine_num_cpus" .Values.engine.rayCpusPerReplica -}}
+{{- if eq (default "embedded" .Values.settings.engine) "vllm" -}}
+{{- $_ := set $args "model" .Values.model.path -}}
+{{- end -}}
+{{- if .Values.adapters.enabled -}}
+{{- $_ := set $args "adapters_dir" .Values.adapters.path -}}
+{{- end -}}
+{{- if .Values.apiKeys.enabled -}}
+{{- $_ := set $args "api_keys_file" (printf "%s/%s" .Values.apiKeys.mountPath .Values.apiKeys.secretKey) -}}
+{{- end -}}
+{{- toYaml $args -}}
+{{- end -}}
+
+{{/* Environment of every Ray container: writable caches under /tmp (read-only root), the Redis URL secret. */}}
+{{- define "ocr.rayEnv" -}}
+- name: HOME
+  value: /tmp/home
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: TRANSFORMERS_OFFLINE
+  value: "1"
+{{- $mode := include "ocr.redisMode" . }}
+{{- if eq $mode "internal" }}
+- name: OCR_REDIS_URL
+  value: {{ printf "redis://%s:6379/0" (include "ocr.redisName" .) | quote }}
+{{- else if eq $mode "external" }}
+- name: OCR_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "ocr.redisSecretName" . }}
+      key: {{ .Values.redis.external.secretKey }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes every Ray pod mounts: /tmp (Ray session dir, caches), /dev/shm (object store, vLLM workers), keys. */}}
+{{- define "ocr.commonVolumes" -}}
+{{- $root := .root -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ $root.Values.tmpSizeLimit }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shm }}
+{{- if $root.Values.apiKeys.enabled }}
+- name: api-keys
+  secret:
+    secretName: {{ include "ocr.apiKeysSecretName" $root }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{- define "ocr.commonVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: dshm
+  mountPath: /dev/shm
+{{- if .Values.apiKeys.enabled }}
+- name: api-keys
+  mountPath: {{ .Values.apiKeys.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* Ray exports `ray_ocr_*` / `ray_vllm_*`; these rename them back (= service.metrics.METRIC_RELABEL_CONFIGS). */}}
+{{- define "ocr.metricRelabelings" -}}
+- sourceLabels: [__name__]
+  regex: ray_(ocr_.+)
+  targetLabel: __name__
+  replacement: $1
+- sourceLabels: [__name__]
+  regex: ray_vllm_(.+)
+  targetLabel: __name__
+  replacement: vllm:$1
+- action: labeldrop
+  regex: otel_scope_.+
+{{- end -}}

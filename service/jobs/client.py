@@ -1,0 +1,102 @@
+"""`ocr-serve ocr big.pdf`: submit a job, draw a progress bar from the events stream (stderr), print the result.
+
+The bar advances on each `page` event (pages arrive in page order) and ends on the `done` event; the final JSON
+(`GET /v1/jobs/{id}`: status and every page's result) goes to stdout. Ctrl-C cancels the job on the server.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+BAR_WIDTH = 30
+
+
+def iter_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event, data) pairs from Server-Sent Event lines; comments (keep-alives) are skipped."""
+    event, data = "message", []
+    for line in lines:
+        if line == "":
+            if data:
+                yield event, json.loads("\n".join(data))
+            event, data = "message", []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+
+
+class ProgressBar:
+    """`[#########.....]  3/5 pages  page 3 ok  12.4s` — redrawn in place on a terminal, one line per page else."""
+
+    def __init__(self, total: int, out: TextIO):
+        self.total = max(1, total)
+        self.out = out
+        self.started = time.monotonic()
+        self.tty = out.isatty()
+
+    def update(self, done: int, note: str = "") -> None:
+        filled = round(BAR_WIDTH * done / self.total)
+        line = (f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{self.total} pages  {note}  "
+                f"{time.monotonic() - self.started:.1f}s")
+        if self.tty:
+            self.out.write("\r" + line.ljust(79))
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def run_job(*, url: str, files: list[Path], form: dict[str, str], api_key: str | None, timeout: float,
+            progress_out: TextIO = sys.stderr) -> tuple[int, dict[str, Any]]:
+    """Submit, follow the events with a progress bar, return (exit code, final job JSON or error body)."""
+    import httpx
+
+    base = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=base, headers=headers, timeout=httpx.Timeout(timeout, read=timeout)) as client:
+        parts = [("file", (path.name, path.read_bytes(), "application/octet-stream")) for path in files]
+        resp = client.post("/v1/jobs", files=parts, data=form)
+        if resp.status_code != 202:
+            return 1, _json_or_error(resp)
+        job = resp.json()
+        bar = ProgressBar(job["pages_total"], progress_out)
+        bar.update(0, "queued")
+        done = 0
+        try:
+            with client.stream("GET", f"/v1/jobs/{job['id']}/events") as events:
+                if events.status_code != 200:
+                    events.read()
+                    return 1, _json_or_error(events)
+                for event, data in iter_sse(events.iter_lines()):
+                    if event == "page":
+                        done += 1
+                        outcome = "ok" if data["status"] == "ok" else f"failed ({data['error']['code']})"
+                        bar.update(done, f"page {data['page']} {outcome}")
+                    elif event == "done":
+                        bar.update(data["pages_done"], data["status"])
+                    elif event == "error":
+                        bar.close()
+                        return 1, data
+        except KeyboardInterrupt:
+            client.delete(f"/v1/jobs/{job['id']}")
+            bar.close()
+            progress_out.write("cancelled\n")
+            return 130, client.get(f"/v1/jobs/{job['id']}").json()
+        bar.close()
+        final = client.get(f"/v1/jobs/{job['id']}").json()
+    return (0 if final.get("status") == "succeeded" else 1), final
+
+
+def _json_or_error(resp) -> dict[str, Any]:
+    try:
+        return resp.json()
+    except ValueError:
+        return {"error": {"code": "invalid_response", "message": resp.text[:200]}}

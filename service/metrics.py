@@ -1,0 +1,489 @@
+"""Prometheus metrics of the service: every `ocr_*` metric is defined here, in request order.
+
+How metrics leave the processes (docs/METRICS.md has the whole story): the ingress and engine replicas are separate Ray
+processes, possibly on different pods, so they record through Ray Serve's metrics API (`ray.serve.metrics`, which adds
+the `deployment`, `replica` and `application` labels). Each node's Ray metrics agent exports what the processes of
+that node recorded on the node's metrics port (KubeRay: 8080 on every head/worker pod). Ray prefixes every
+application metric with `ray_` (and counters get `_total`), and vLLM's Ray stat logger turns `vllm:x` into
+`ray_vllm_x`; `METRIC_RELABEL_CONFIGS` renames them back at scrape time to `ocr_*` and `vllm:*`. The chart's
+PodMonitor, deploy/grafana/prometheus-scrape.yaml and the test's prometheus.yml all use exactly these rules.
+
+Labels are bounded: task names come from the task table (else `unknown`), status/code from the error table,
+tenants from the key file (`unknown` before authentication), adapters only after the engine accepted them.
+Ray histograms keep exact bucket counts but approximate `_sum` (bucket midpoints): exact totals (tokens) are
+separate counters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Literal
+
+from service.errors import ERROR_CODES
+from service.tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["counter", "gauge", "histogram"]
+Process = Literal["ingress", "engine"]
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+IMAGE_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+OUTPUT_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
+
+# Routes counted in `ocr_requests_total` (path prefix -> `endpoint` label); health probes are not requests.
+COUNTED_ENDPOINTS = {"/v1/ocr": "ocr", "/v1/jobs": "jobs"}
+STAGES = ("decode", "queue", "engine", "parse")
+AUTOSCALING_SETTINGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "latency_target_seconds")
+# Ray's metrics agent drops a gauge series that was not re-reported for 2 report intervals (2 x 10 s), and a process
+# reports only values set since its last report: gauges are re-set this often so idle replicas keep their series.
+GAUGE_REFRESH_S = 5.0
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: `name` as the service records it (counters without `_total`, which the exporter appends)."""
+
+    name: str
+    kind: Kind
+    process: Process
+    description: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+    @property
+    def exported_names(self) -> tuple[str, ...]:
+        """Series names as Prometheus stores them (after METRIC_RELABEL_CONFIGS)."""
+        if self.kind == "counter":
+            return (self.name + "_total",)
+        if self.kind == "histogram":
+            return tuple(self.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        return (self.name,)
+
+    @property
+    def query_name(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+# The registry, in request order: ingress (HTTP → admission → engine call → parse) then engine replicas.
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("ocr_requests", "counter", "ingress",
+               "Finished API requests by endpoint, task, HTTP status, error code (`ok` on success) and tenant.",
+               ("endpoint", "task", "status", "code", "tenant")),
+    MetricSpec("ocr_request_duration_seconds", "histogram", "ingress",
+               "End-to-end request latency in the ingress (body read to last byte sent); outcome "
+               "ok | client_error | server_error.", ("endpoint", "task", "outcome"), LATENCY_BUCKETS_S),
+    MetricSpec("ocr_auth_failures", "counter", "ingress",
+               "Requests refused by authentication/authorisation; reason = error code (unauthorized, forbidden).",
+               ("reason",)),
+    MetricSpec("ocr_rate_limited", "counter", "ingress", "Requests answered 429 `rate_limited`, by tenant.",
+               ("tenant",)),
+    MetricSpec("ocr_ratelimit_backend_errors", "counter", "ingress",
+               "Failed rate-limiter backend (Redis) calls; error = exception class.", ("error",)),
+    MetricSpec("ocr_ingress_waiting_requests", "gauge", "ingress",
+               "Admitted requests this ingress replica sent to the engine deployment and still waits for "
+               "(queued for a replica + running)."),
+    MetricSpec("ocr_stage_duration_seconds", "histogram", "ingress",
+               "Per-stage latency of successful pages: decode (admission CPU work), queue (waiting for an engine "
+               "replica), engine (inside the engine), parse.", ("task", "stage"), LATENCY_BUCKETS_S),
+    MetricSpec("ocr_pages", "counter", "ingress", "Pages recognised; source = image | pdf.", ("task", "source")),
+    MetricSpec("ocr_image_tokens", "counter", "ingress", "Image tokens sent to the model (VLM engines).", ("task",)),
+    MetricSpec("ocr_request_image_tokens", "histogram", "ingress", "Image tokens per page (VLM engines).",
+               ("task",), IMAGE_TOKEN_BUCKETS),
+    MetricSpec("ocr_output_tokens", "counter", "ingress", "Output tokens generated (VLM engines).", ("task",)),
+    MetricSpec("ocr_request_output_tokens", "histogram", "ingress", "Output tokens per page (VLM engines).",
+               ("task",), OUTPUT_TOKEN_BUCKETS),
+    MetricSpec("ocr_repetition_cutoffs", "counter", "ingress",
+               "Outputs cut by the repetition guard (finish_reason `repetition`).", ("task",)),
+    MetricSpec("ocr_confidence", "histogram", "ingress", "Document confidence (0-1) of successful pages.",
+               ("task",), CONFIDENCE_BUCKETS),
+    MetricSpec("ocr_adapter_requests", "counter", "ingress", "Successful pages served by a LoRA adapter.",
+               ("adapter",)),
+    MetricSpec("ocr_latency_slo_seconds", "gauge", "ingress",
+               "The p95 end-to-end latency objective (settings.latency_slo_s), for dashboards and alerts."),
+    MetricSpec("ocr_autoscaling_config", "gauge", "ingress",
+               "Engine autoscaling settings: min_replicas, max_replicas, target_ongoing_requests, "
+               "latency_target_seconds (only when set).", ("setting",)),
+    MetricSpec("ocr_engine_healthy", "gauge", "engine",
+               "1 while this engine replica passes its health check, 0 after a failed one.", ("engine",)),
+    MetricSpec("ocr_engine_ongoing_requests", "gauge", "engine", "Requests inside this engine replica now."),
+    MetricSpec("ocr_engine_gpus", "gauge", "engine", "GPUs reserved by this engine replica."),
+    MetricSpec("ocr_adapter_loads", "counter", "engine",
+               "LoRA adapter loads on engine replicas; outcome = ok | error.", ("adapter", "outcome")),
+    MetricSpec("ocr_adapter_cache_hits", "counter", "engine",
+               "Adapter requests served by a replica that already had the adapter loaded.", ("adapter",)),
+)
+
+METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
+
+
+# Prometheus `metric_relabel_configs`: Ray's exported names back to the product's names.
+METRIC_RELABEL_CONFIGS: list[dict[str, Any]] = [
+    {"source_labels": ["__name__"], "regex": "ray_(ocr_.+)", "target_label": "__name__", "replacement": "$1"},
+    {"source_labels": ["__name__"], "regex": "ray_vllm_(.+)", "target_label": "__name__", "replacement": "vllm:$1"},
+    {"action": "labeldrop", "regex": "otel_scope_.+"},
+]
+
+
+def prometheus_config(targets: list[str], *, scrape_interval: str = "15s", job: str = "ray",
+                      rule_files: list[str] | None = None) -> dict[str, Any]:
+    """A prometheus.yml scraping Ray metrics ports (`host:port` of every node) with the product's relabel rules."""
+    config: dict[str, Any] = {
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+        "scrape_configs": [{
+            "job_name": job,
+            "scrape_interval": scrape_interval,
+            "static_configs": [{"targets": list(targets)}],
+            "metric_relabel_configs": METRIC_RELABEL_CONFIGS,
+        }],
+    }
+    if rule_files:
+        config["rule_files"] = list(rule_files)
+    return config
+
+
+# --- recording ---------------------------------------------------------------------------------------------------
+
+
+class _Off:
+    """Instrument of a disabled metrics object (settings.metrics_enabled = false, or no Ray process)."""
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        return None
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        return None
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        return None
+
+
+InstrumentFactory = Callable[[MetricSpec], Any]
+
+
+def ray_serve_instrument(spec: MetricSpec) -> Any:
+    """A `ray.serve.metrics` instrument (adds deployment/replica/application labels inside a replica)."""
+    from ray.serve import metrics as serve_metrics
+
+    if spec.kind == "counter":
+        return serve_metrics.Counter(spec.name, description=spec.description, tag_keys=spec.labels)
+    if spec.kind == "gauge":
+        return serve_metrics.Gauge(spec.name, description=spec.description, tag_keys=spec.labels)
+    return serve_metrics.Histogram(spec.name, description=spec.description, boundaries=list(spec.buckets or ()),
+                                   tag_keys=spec.labels)
+
+
+def instrument_factory(settings) -> InstrumentFactory | None:
+    """Ray Serve instruments when metrics are on and this process is part of a Ray cluster, else None (off)."""
+    if not getattr(settings, "metrics_enabled", True):
+        return None
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray_serve_instrument if ray.is_initialized() else None
+
+
+class _Metrics:
+    """Instruments of one process kind; a failing metric call is logged, never raised into a request."""
+
+    process: Process
+
+    def __init__(self, factory: InstrumentFactory | None):
+        self.enabled = factory is not None
+        self._instruments: dict[str, Any] = {}
+        for spec in METRICS:
+            if spec.process == self.process:
+                self._instruments[spec.name] = factory(spec) if factory else _Off()
+        self._gauge_values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._lock = threading.Lock()  # gauge values are read by the refresher thread
+        self._stop = threading.Event()
+
+    def start_refresher(self, interval_s: float = GAUGE_REFRESH_S) -> None:
+        """Re-set every gauge periodically (see GAUGE_REFRESH_S) from a daemon thread; `close()` stops it."""
+        if not self.enabled:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                self.refresh()
+
+        threading.Thread(target=loop, name=f"ocr-{self.process}-metrics", daemon=True).start()
+
+    def refresh(self) -> None:
+        with self._lock:
+            values = list(self._gauge_values.items())
+        for (name, tags), value in values:
+            self._call(name, "set", value, dict(tags))
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _inc(self, name: str, value: float = 1.0, **tags: str) -> None:
+        if value > 0:  # Ray counters reject 0
+            self._call(name, "inc", value, tags)
+
+    def _set(self, name: str, value: float, **tags: str) -> None:
+        with self._lock:
+            self._gauge_values[(name, tuple(sorted(tags.items())))] = value
+        self._call(name, "set", value, tags)
+
+    def _observe(self, name: str, value: float, **tags: str) -> None:
+        self._call(name, "observe", value, tags)
+
+    def _call(self, name: str, method: str, value: float, tags: dict[str, str]) -> None:
+        try:
+            getattr(self._instruments[name], method)(value, tags=tags or None)
+        except Exception:  # metrics must never fail a request
+            log.exception("metric %s.%s failed", name, method)
+
+
+def task_label(task: Any) -> str:
+    return task if isinstance(task, str) and task in TASKS else "unknown"
+
+
+def outcome_label(status: int) -> str:
+    return "ok" if status < 400 else ("client_error" if status < 500 else "server_error")
+
+
+class IngressMetrics(_Metrics):
+    """What the ingress replica records (one per AppContext)."""
+
+    process = "ingress"
+
+    def __init__(self, factory: InstrumentFactory | None = None):
+        super().__init__(factory)
+        self._waiting = 0
+
+    @classmethod
+    def for_settings(cls, settings) -> "IngressMetrics":
+        metrics = cls(instrument_factory(settings))
+        metrics.publish_config(settings)
+        metrics.start_refresher()
+        return metrics
+
+    def publish_config(self, settings) -> None:
+        self._set("ocr_latency_slo_seconds", settings.latency_slo_s)
+        values = {"min_replicas": settings.min_replicas, "max_replicas": settings.max_replicas,
+                  "target_ongoing_requests": settings.target_ongoing_requests,
+                  "latency_target_seconds": (settings.latency_target_ms / 1000
+                                             if settings.latency_target_ms else None)}
+        for setting, value in values.items():
+            if value is not None:
+                self._set("ocr_autoscaling_config", float(value), setting=setting)
+        self._set("ocr_ingress_waiting_requests", 0)
+
+    # request level (called by RequestMetricsMiddleware)
+    def request_finished(self, *, endpoint: str, task: str, status: int, code: str, tenant: str,
+                         seconds: float) -> None:
+        self._inc("ocr_requests", endpoint=endpoint, task=task, status=str(status), code=code, tenant=tenant)
+        self._observe("ocr_request_duration_seconds", seconds, endpoint=endpoint, task=task,
+                      outcome=outcome_label(status))
+        if code in ("unauthorized", "forbidden"):
+            self._inc("ocr_auth_failures", reason=code)
+        elif code == "rate_limited":
+            self._inc("ocr_rate_limited", tenant=tenant)
+
+    # admission
+    def limiter_backend_error(self, exc: BaseException) -> None:
+        """`on_backend_error` hook of the failover rate limiter."""
+        self._inc("ocr_ratelimit_backend_errors", error=type(exc).__name__)
+
+    # engine call
+    @contextmanager
+    def waiting_for_engine(self) -> Iterator[None]:
+        self._waiting += 1
+        self._set("ocr_ingress_waiting_requests", self._waiting)
+        try:
+            yield
+        finally:
+            self._waiting -= 1
+            self._set("ocr_ingress_waiting_requests", self._waiting)
+
+    # after parsing
+    def page_done(self, *, task: str, source: str, timings_ms: dict[str, float], image_tokens: int,
+                  output_tokens: int, confidence: float | None, finish_reason: str, adapter: str | None) -> None:
+        task = task_label(task)
+        for stage in STAGES:
+            if stage in timings_ms:
+                self._observe("ocr_stage_duration_seconds", timings_ms[stage] / 1000, task=task, stage=stage)
+        self._inc("ocr_pages", task=task, source=source)
+        if image_tokens > 0:
+            self._inc("ocr_image_tokens", image_tokens, task=task)
+            self._observe("ocr_request_image_tokens", image_tokens, task=task)
+        if output_tokens > 0:
+            self._inc("ocr_output_tokens", output_tokens, task=task)
+            self._observe("ocr_request_output_tokens", output_tokens, task=task)
+        if confidence is not None:
+            self._observe("ocr_confidence", confidence, task=task)
+        if finish_reason == "repetition":
+            self._inc("ocr_repetition_cutoffs", task=task)
+        if adapter:
+            self._inc("ocr_adapter_requests", adapter=adapter)
+
+
+class EngineMetrics(_Metrics):
+    """What an engine replica records."""
+
+    process = "engine"
+
+    def __init__(self, factory: InstrumentFactory | None = None, engine: str = "unknown"):
+        super().__init__(factory)
+        self.engine = engine
+        self._ongoing = 0
+
+    @classmethod
+    def for_settings(cls, settings) -> "EngineMetrics":
+        metrics = cls(instrument_factory(settings), engine=settings.engine)
+        metrics._set("ocr_engine_gpus", float(settings.resolved_engine_num_gpus))
+        metrics._set("ocr_engine_ongoing_requests", 0)
+        metrics.start_refresher()
+        return metrics
+
+    def healthy(self, ok: bool) -> None:
+        self._set("ocr_engine_healthy", 1.0 if ok else 0.0, engine=self.engine)
+
+    @contextmanager
+    def ongoing(self) -> Iterator[None]:
+        self._ongoing += 1
+        self._set("ocr_engine_ongoing_requests", self._ongoing)
+        try:
+            yield
+        finally:
+            self._ongoing -= 1
+            self._set("ocr_engine_ongoing_requests", self._ongoing)
+
+    def adapter_loaded(self, adapter: str, ok: bool) -> None:
+        self._inc("ocr_adapter_loads", adapter=adapter, outcome="ok" if ok else "error")
+
+    def adapter_cache_hit(self, adapter: str) -> None:
+        self._inc("ocr_adapter_cache_hits", adapter=adapter)
+
+    @contextmanager
+    def adapter_use(self, adapter: str | None, already_loaded: bool) -> Iterator[None]:
+        """Around one engine call with an adapter: a cache hit when this replica had it loaded, else a load (ok, or
+        error when the engine refused the adapter files). Unknown names are not counted (unbounded labels); two
+        concurrent first requests for one adapter count two loads."""
+        if not adapter:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:
+            if not already_loaded and getattr(exc, "code", None) == "invalid_adapter":
+                self.adapter_loaded(adapter, ok=False)
+            raise
+        if already_loaded:
+            self.adapter_cache_hit(adapter)
+        else:
+            self.adapter_loaded(adapter, ok=True)
+
+
+def vllm_stat_loggers(settings) -> list | None:
+    """`stat_loggers` for vLLM's AsyncLLM: its Ray stat logger inside a Ray process (exports `vllm:*` through the
+    same Ray metrics agent, renamed back by METRIC_RELABEL_CONFIGS), else None (vLLM's defaults)."""
+    if instrument_factory(settings) is None:
+        return None
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger]
+
+
+# --- request accounting middleware ---------------------------------------------------------------------------------
+
+# Keys the handlers put into the ASGI scope state (request.state.<key>) for the middleware's labels.
+STATE_TASK = "metrics_task"
+STATE_TENANT = "metrics_tenant"
+
+
+class RequestMetricsMiddleware:
+    """Counts every request to a COUNTED_ENDPOINTS route with its final HTTP status and error code, whichever layer
+    answered (handler, exception handlers, body-size cap). Handlers add `task`/`tenant` via `request.state`; the error
+    code is read from the (small) JSON error body."""
+
+    def __init__(self, app, metrics: IngressMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        endpoint = _endpoint(scope)
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        state = scope.setdefault("state", {})
+        status = 500
+        error_body = bytearray()
+
+        async def recording_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status >= 400 and len(error_body) < 4096:
+                error_body.extend(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            code = "ok" if status < 400 else _error_code(bytes(error_body), status)
+            self.metrics.request_finished(endpoint=endpoint, task=task_label(state.get(STATE_TASK)),
+                                          status=status, code=code, tenant=str(state.get(STATE_TENANT) or "unknown"),
+                                          seconds=time.perf_counter() - started)
+
+
+def _endpoint(scope) -> str | None:
+    if scope.get("type") != "http":
+        return None
+    path = scope.get("path", "")
+    for prefix, name in COUNTED_ENDPOINTS.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return name
+    return None
+
+
+def _error_code(body: bytes, status: int) -> str:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    if code in ERROR_CODES:
+        return code
+    return "internal_error" if status >= 500 else "invalid_request"
+
+
+# --- documentation -------------------------------------------------------------------------------------------------
+
+
+def reference_table() -> str:
+    """The metric reference of docs/METRICS.md (a test keeps the two in sync)."""
+    rows = ["| Metric (as queried) | Type | Process | Labels | Meaning |", "|---|---|---|---|---|"]
+    for spec in METRICS:
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "-"
+        rows.append(f"| `{spec.query_name}` | {spec.kind} | {spec.process} | {labels} | {spec.description} |")
+    return "\n".join(rows)
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("metrics", help="metrics reference and a prometheus.yml for Ray metrics ports")
+    p.add_argument("what", choices=["table", "prometheus-config"])
+    p.add_argument("--target", action="append", default=[], help="host:port of a Ray metrics port (repeatable)")
+    p.add_argument("--scrape-interval", default="15s")
+    p.set_defaults(func=_cmd_metrics)
+
+
+def _cmd_metrics(args) -> int:
+    import yaml
+
+    if args.what == "table":
+        print(reference_table())
+    else:
+        print(yaml.safe_dump(prometheus_config(args.target or ["127.0.0.1:8080"],
+                                               scrape_interval=args.scrape_interval), sort_keys=False))
+    return 0

@@ -1,0 +1,318 @@
+"""Field extraction: the model's JSON → validated fields with per-field confidence.
+
+Request side: `fields: ["name", …]` (every name expected, any JSON type) or `schema: <JSON Schema>` (an object
+schema; its `properties` name the fields, `required` and `type`s are enforced). `check_schema` rejects a bad schema
+at admission (400 `invalid_schema`).
+
+Output side, in order:
+1. find the JSON: inside a ```json fence if there is one, from the first `{`;
+2. parse it leniently: plain JSON; then trailing commas removed; then a truncated tail closed (open string, open
+   brackets; an incomplete last member dropped); then Python-literal style (single quotes, True/None) as a last try;
+3. coerce simple types towards the schema (`"42"` → 42 for integer, `"1,234.50"` → 1234.5 for number, `"yes"` →
+   true for boolean, 42 → `"42"` for string, `""` → null where null is allowed) — recursively through objects/arrays;
+4. validate with `jsonschema` (the schema's own draft) and report
+   `fields: {name: {value, confidence, valid}}` and `errors: ["name: message", …]`.
+A field's confidence is the geometric-mean probability of the tokens that wrote its value (service.parsing.confidence).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import jsonschema
+from jsonschema.validators import validator_for
+
+from service.api.protocol import FieldValue
+from service.engine.protocol import TokenLogprob
+from service.errors import OCRError
+from service.parsing.confidence import span_confidence, token_spans
+
+_FENCE = re.compile(r"```[\w-]*[ \t]*\n?(.*?)(?:```|\Z)", re.DOTALL)
+_TRAILING_COMMA = re.compile(r",(\s*[}\]])")
+
+
+@dataclass
+class ExtractionResult:
+    fields: dict[str, FieldValue]
+    errors: list[str]
+    text: str  # the parsed object as JSON (or the raw output when it held no JSON)
+    value: Any = None  # the parsed (coerced) object
+    warnings: list[str] = field(default_factory=list)
+
+
+# --- request side -------------------------------------------------------------------------------------------------
+
+def check_schema(schema: Any, max_bytes: int) -> None:
+    """400 `invalid_schema` unless `schema` is a valid JSON Schema for an object with named properties."""
+    if not isinstance(schema, dict):
+        raise OCRError("invalid_schema", "schema must be a JSON object")
+    if len(json.dumps(schema)) > max_bytes:
+        raise OCRError("invalid_schema", f"schema exceeds {max_bytes} bytes")
+    try:
+        validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise OCRError("invalid_schema", f"not a valid JSON Schema: {exc.message}") from None
+    props = schema.get("properties")
+    if not isinstance(props, dict) or not props:
+        raise OCRError("invalid_schema", "schema needs `properties` naming the fields to extract")
+
+
+def schema_for_fields(names: Sequence[str]) -> dict:
+    """The implied schema of a `fields` list: every name required, any type."""
+    return {"type": "object", "properties": {n: {} for n in names}, "required": list(names)}
+
+
+# --- lenient JSON -------------------------------------------------------------------------------------------------
+
+def _json_region(text: str) -> tuple[str, int]:
+    """The part of the output that should hold the JSON, and its offset in `text`."""
+    fence = _FENCE.search(text)
+    region, offset = (fence.group(1), fence.start(1)) if fence else (text, 0)
+    start = region.find("{")
+    if start < 0:
+        start = region.find("[")
+    if start < 0:
+        return "", offset + len(region)
+    return region[start:], offset + start
+
+
+def _close_truncated(s: str) -> list[str]:
+    """Candidates that close a truncated JSON text: the open string and brackets closed, with and without the
+    incomplete last member."""
+    stack: list[str] = []
+    in_string = escape = False
+    cut_points: list[int] = []  # positions of ',' or '{'/'[' at any depth (outside strings)
+    for i, ch in enumerate(s):
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+            cut_points.append(i + 1)
+        elif ch in "}]":
+            if stack:
+                stack.pop()
+        elif ch == ",":
+            cut_points.append(i)
+    candidates = []
+    head = s + ('"' if in_string else "")
+    head = head[:-1] if escape and not in_string else head
+    candidates.append(_closed(head))
+    for cut in reversed(cut_points[-3:]):
+        candidates.append(_closed(s[:cut]))
+    return candidates
+
+
+def _closed(s: str) -> str:
+    stack: list[str] = []
+    in_string = escape = False
+    for ch in s:
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]" and stack:
+            stack.pop()
+    s = s.rstrip()
+    if s.endswith(","):
+        s = s[:-1]
+    if s.endswith(":"):
+        s += " null"
+    return s + "".join(reversed(stack))
+
+
+def parse_json_lenient(text: str) -> tuple[Any, int, list[str]]:
+    """(value, offset of the JSON in `text`, notes); value is None when nothing could be read."""
+    region, offset = _json_region(text)
+    if not region:
+        return None, offset, []
+    decoder = json.JSONDecoder(strict=False)
+    try:
+        return decoder.raw_decode(region)[0], offset, []
+    except ValueError:
+        pass
+    fixed = _TRAILING_COMMA.sub(r"\1", region)
+    try:
+        return decoder.raw_decode(fixed)[0], offset, ["trailing commas removed"]
+    except ValueError:
+        pass
+    try:  # Python-literal style: {'a': 'b', 'c': None}
+        end = fixed.rfind("}") + 1 or len(fixed)
+        value = ast.literal_eval(fixed[:end])
+        if isinstance(value, (dict, list)):
+            return json.loads(json.dumps(value)), offset, ["Python-style literal read as JSON"]
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        pass
+    emptied = None
+    for candidate in _close_truncated(fixed):
+        try:
+            value = json.loads(candidate, strict=False)
+        except ValueError:
+            continue
+        if value:
+            return value, offset, ["the JSON was truncated; its open tail was closed"]
+        emptied = value if emptied is None else emptied
+    if emptied is not None:
+        return emptied, offset, ["the JSON was truncated before its first complete member"]
+    return None, offset, []
+
+
+# --- coercion -----------------------------------------------------------------------------------------------------
+
+_INT = re.compile(r"^[+-]?\d+$")
+_GROUPED = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_TRUE = {"true", "yes", "y", "1", "是", "对"}
+_FALSE = {"false", "no", "n", "0", "否", "不"}
+
+
+def _types(schema: Any) -> set[str]:
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    return {t} if isinstance(t, str) else set(t) if isinstance(t, list) else set()
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def coerce(value: Any, schema: Any) -> Any:
+    """Move `value` towards the schema's simple types where that is unambiguous; anything else unchanged."""
+    types = _types(schema)
+    if isinstance(value, dict) and isinstance(schema, dict) and isinstance(schema.get("properties"), dict):
+        props = schema["properties"]
+        return {k: coerce(v, props.get(k)) for k, v in value.items()}
+    if isinstance(value, list) and isinstance(schema, dict) and isinstance(schema.get("items"), dict):
+        return [coerce(v, schema["items"]) for v in value]
+    if not types:
+        return value
+    current = _json_type(value)
+    if current in types or (current == "integer" and "number" in types):
+        return value
+    if isinstance(value, str):
+        s = value.strip()
+        plain = s.replace(",", "") if _GROUPED.match(s) else s
+        if "null" in types and s.lower() in ("", "null", "none"):
+            return None
+        if "integer" in types and _INT.match(plain):
+            return int(plain)
+        if "number" in types:
+            try:
+                number = float(plain)
+                if number == number and abs(number) != float("inf"):
+                    return int(number) if _INT.match(plain) else number
+            except ValueError:
+                pass
+        if "boolean" in types and s.lower() in _TRUE | _FALSE:
+            return s.lower() in _TRUE
+    if "string" in types and current in ("integer", "number", "boolean"):
+        return json.dumps(value)
+    if "integer" in types and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# --- the whole step -----------------------------------------------------------------------------------------------
+
+def _value_span(text: str, offset: int, name: str) -> tuple[int, int] | None:
+    """Characters of `name`'s value in the raw output (first occurrence of the key after the JSON start)."""
+    for key in {json.dumps(name, ensure_ascii=False), json.dumps(name), "'" + name + "'"}:
+        m = re.compile(re.escape(key) + r"\s*:\s*").search(text, offset)
+        if m:
+            try:
+                _, end = json.JSONDecoder(strict=False).raw_decode(text, m.end())
+            except ValueError:
+                end = _value_end_fallback(text, m.end())
+            return m.end(), end
+    return None
+
+
+def _value_end_fallback(text: str, start: int) -> int:
+    """End of a value that is not valid JSON on its own (single quotes, truncated): the next `,` or `}` at depth 0."""
+    depth, in_string, quote = 0, False, ""
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if ch == quote:
+                in_string = False
+        elif ch in "\"'":
+            in_string, quote = True, ch
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            if depth == 0:
+                return i
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return i
+    return len(text)
+
+
+def extract_fields(raw: str, *, fields: Sequence[str] | None, schema: dict | None,
+                   tokens: Sequence[TokenLogprob] | None = None) -> ExtractionResult:
+    names = list(schema["properties"]) if schema and isinstance(schema.get("properties"), dict) else list(fields or [])
+    effective_schema = schema if schema else schema_for_fields(names)
+    value, offset, notes = parse_json_lenient(raw)
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+        value = value[0]
+    if not isinstance(value, dict):
+        reason = "the model output holds no JSON object" if value is None else "the model output is not a JSON object"
+        return ExtractionResult(
+            fields={n: FieldValue(value=None, confidence=None, valid=False) for n in names},
+            errors=[reason], text=raw.strip(), value=value, warnings=notes,
+        )
+    value = coerce(value, effective_schema)
+    validator = validator_for(effective_schema)(effective_schema)
+    errors: list[str] = []
+    invalid: set[str] = set()
+    for err in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path))):
+        path = [str(p) for p in err.absolute_path]
+        if err.validator == "required" and not path:
+            missing = [n for n in (err.validator_value or []) if n not in value]
+            invalid.update(missing)
+            errors.extend(f"{n}: missing" for n in missing)
+            continue
+        if path:
+            invalid.add(path[0])
+        errors.append(f"{'/'.join(path) or '(root)'}: {err.message}")
+    spans = token_spans(raw, tokens) if tokens else []
+    out: dict[str, FieldValue] = {}
+    for name in names:
+        confidence = None
+        span = _value_span(raw, offset, name) if tokens and name in value else None
+        if span:
+            confidence = span_confidence(spans, tokens, *span)
+        out[name] = FieldValue(value=value.get(name), confidence=confidence, valid=name not in invalid)
+    extra = sorted(set(value) - set(names))
+    warnings = list(notes)
+    if extra:
+        warnings.append(f"the model returned {len(extra)} field(s) that were not asked for; they are in `text` only")
+    return ExtractionResult(out, list(dict.fromkeys(errors)), json.dumps(value, ensure_ascii=False), value, warnings)

@@ -1,0 +1,287 @@
+"""The Helm chart, verified without a cluster: renders for every ci/ scenario, lints strictly, rejects bad values by
+schema, produces valid built-in objects (kubernetes-validate --strict) and valid custom resources (real CRD schemas,
+unknown fields included), and its serveConfigV2 builds the real Serve application with the rendered settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.helm import (CHART_DIR, CRD_DIR, REPO, ci_values_files, find, is_custom, lint_chart,
+                                 render_chart, rendered_objects, validate_builtin, validate_custom_resource,
+                                 validate_values)
+
+SCENARIOS = ["default"] + [p.name.removesuffix("-values.yaml") for p in ci_values_files()]
+
+
+def test_ci_scenarios_exist():
+    assert {"minimal", "gpu-production", "external-redis", "autoscaling-off"} <= set(SCENARIOS)
+
+
+def test_chart_copies_and_schema_are_in_sync():
+    """deploy/grafana (canonical) → files/grafana copies, service/settings.py → values.schema.json `settings`."""
+    proc = subprocess.run([sys.executable, str(REPO / "deploy/helm/sync_chart.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (CHART_DIR / "files/grafana/alerts.yaml").read_bytes() == (REPO / "deploy/grafana/alerts.yaml").read_bytes()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_lint_strict(scenario):
+    values = None if scenario == "default" else CHART_DIR / "ci" / f"{scenario}-values.yaml"
+    report = lint_chart(values)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report.get("errors", [])
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_builtin_kinds_are_valid(chart_renders, scenario):
+    builtin = [o for o in chart_renders[scenario] if not is_custom(o)]
+    assert builtin
+    for obj in builtin:
+        validate_builtin(obj)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_custom_resources_match_crds(chart_renders, scenario):
+    custom = [o for o in chart_renders[scenario] if is_custom(o)]
+    assert find(custom, "RayService")
+    for obj in custom:
+        validate_custom_resource(obj)
+
+
+def test_every_kind_is_rendered_somewhere(chart_renders):
+    kinds = {o["kind"] for objs in chart_renders.values() for o in objs}
+    assert kinds >= {"RayService", "StatefulSet", "Service", "Secret", "Ingress", "ServiceMonitor", "PodMonitor",
+                     "PrometheusRule", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy", "ServiceAccount"}
+
+
+def test_crd_check_catches_unknown_and_mistyped_fields(chart_renders):
+    """The CRD validation is not vacuous: a misplaced field and a wrong type are caught."""
+    rayservice = find(chart_renders["default"], "RayService")[0]
+    bad = json.loads(json.dumps(rayservice))
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    with pytest.raises(AssertionError, match="maxReplica"):
+        validate_custom_resource(bad)
+    bad = json.loads(json.dumps(rayservice))
+    bad["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resourcez"] = {}
+    with pytest.raises(AssertionError, match="resourcez"):
+        validate_custom_resource(bad)
+    bad = json.loads(json.dumps(rayservice))
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplicas"] = "one"
+    with pytest.raises(Exception, match="one"):
+        validate_custom_resource(bad)
+    rule = find(chart_renders["default"], "PrometheusRule")[0]
+    bad = json.loads(json.dumps(rule))
+    bad["spec"]["groups"][0]["rules"][0]["severity"] = "warning"  # belongs under labels
+    with pytest.raises(AssertionError, match="severity"):
+        validate_custom_resource(bad)
+
+
+def test_builtin_check_catches_unknown_fields(chart_renders):
+    import kubernetes_validate
+
+    sts = find(chart_renders["default"], "StatefulSet")[0]
+    bad = json.loads(json.dumps(sts))
+    bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_builtin(bad)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"settings": {"max_body_byte": 10}}, "max_body_byte"),                   # misspelled setting
+    ({"settings": {"engine": "tensorrt"}}, "engine"),                         # not an engine
+    ({"settings": {"gpu_memory_utilization": 1.5}}, "gpu_memory_utilization"),
+    ({"settings": {"min_replicas": 3}}, "min_replicas"),                      # chart-managed: use autoscaling.*
+    ({"autoscaling": {"maxReplicas": 0}}, "maxReplicas"),
+    ({"autoscaling": {"latencyDownscaleRatio": 2}}, "latencyDownscaleRatio"),
+    ({"engine": {"gpusPerReplica": "one"}}, "gpusPerReplica"),
+    ({"redis": {"external": {"url": "http://not-redis"}}}, "url"),
+    ({"ingress": {"enable": True}}, "enable"),                                # unknown key
+    ({"upgradeStrategy": "Rolling"}, "upgradeStrategy"),
+])
+def test_schema_rejects_bad_values(bad, message):
+    import helm_python as helm
+
+    with pytest.raises(helm.HelmValuesError, match=message):
+        validate_values(bad)
+
+
+@pytest.mark.parametrize("path", ci_values_files(), ids=lambda p: p.name)
+def test_schema_accepts_ci_values(path):
+    validate_values(path)
+
+
+def test_settings_schema_covers_every_setting():
+    """Every Settings field is either settable under `settings` or set by the chart (never silently unsettable)."""
+    sys.path.insert(0, str(REPO / "deploy/helm"))
+    from sync_chart import CHART_MANAGED_SETTINGS
+
+    from service.settings import Settings
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    settable = set(schema["properties"]["settings"]["properties"])
+    assert settable | CHART_MANAGED_SETTINGS == set(Settings.model_fields)
+    assert not settable & CHART_MANAGED_SETTINGS
+
+
+def _serve_config(objects: list[dict]) -> dict:
+    return yaml.safe_load(find(objects, "RayService")[0]["spec"]["serveConfigV2"])
+
+
+def test_serve_config_is_valid_for_ray_serve(chart_renders):
+    from ray.serve.schema import ServeDeploySchema
+
+    for scenario, objects in chart_renders.items():
+        config = ServeDeploySchema.model_validate(_serve_config(objects))
+        (app,) = config.applications
+        assert app.import_path == "service.serve.app:app_builder", scenario
+        assert config.proxy_location.value == "EveryNode"
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_serve_config_builds_the_app(chart_renders, scenario, tmp_path, monkeypatch):
+    """`import_path` + rendered `args` → Settings → build_app → the engine deployment carries the chart's knobs."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    from service.serve.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, app_builder
+
+    for var in [v for v in __import__("os").environ if v.startswith("OCR_")]:
+        monkeypatch.delenv(var)
+    objects = chart_renders[scenario]
+    args = dict(_serve_config(objects)["applications"][0]["args"])
+    if "api_keys_file" in args:  # the Secret mount, simulated: the key file at the rendered path's name
+        keys = tmp_path / Path(args["api_keys_file"]).name
+        secret = find(objects, "Secret", "-api-keys")
+        content = next(iter(secret[0]["stringData"].values())) if secret else "version: 1\nkeys: []\n"
+        keys.write_text(content)
+        args["api_keys_file"] = str(keys)
+    built = serve_build_app(app_builder(args), name="ocr")
+    deployments = {d.name: d for d in built.deployments}
+    assert set(deployments) == {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
+    engine = deployments[ENGINE_DEPLOYMENT]
+
+    rayservice = find(objects, "RayService")[0]
+    workers = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    gpus = int(workers["rayStartParams"]["num-gpus"])
+    assert engine.ray_actor_options["num_gpus"] == gpus  # one engine replica per worker pod
+    assert float(workers["rayStartParams"]["num-cpus"]) == engine.ray_actor_options["num_cpus"]
+    if gpus:
+        limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == gpus == 1
+    autoscaling = engine._deployment_config.autoscaling_config
+    if rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"]:
+        assert autoscaling is not None
+        assert (autoscaling.min_replicas, autoscaling.max_replicas) == (workers["minReplicas"], workers["maxReplicas"])
+        if args.get("latency_target_ms"):
+            assert autoscaling.policy.policy_function == "service.serve.autoscaling:QueueLatencyPolicy"
+            assert autoscaling.policy.policy_kwargs["latency_target_ms"] == args["latency_target_ms"]
+        else:
+            assert autoscaling.policy.is_default_policy_function()
+    else:
+        assert autoscaling is None
+        assert engine.num_replicas == workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"]
+
+
+def test_ingress_body_size_and_timeouts_follow_settings():
+    objects = rendered_objects(render_chart(CHART_DIR / "ci" / "gpu-production-values.yaml"))
+    ingress = find(objects, "Ingress")[0]
+    args = _serve_config(objects)["applications"][0]["args"]
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/proxy-body-size"] == str(args["max_body_bytes"]) == "31457280"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"] == str(args["request_timeout_s"])
+    assert ingress["spec"]["tls"][0]["secretName"] == "ocr-example-com-tls"
+    assert ingress["spec"]["ingressClassName"] == "nginx"
+    rayservice = find(objects, "RayService")[0]
+    assert ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"] == \
+        rayservice["spec"]["serveService"]["metadata"]["name"]
+
+
+def test_gpu_workers_probes_draining_and_security(chart_renders):
+    objects = chart_renders["gpu-production"]
+    cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    workers = cluster["workerGroupSpecs"][0]
+    pod = workers["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200"  # merged with the default selector
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 8000}
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == "/readyz"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load + compile + CUDA graphs
+    assert "ray drain-node" in " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+    assert pod["terminationGracePeriodSeconds"] > 90
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["model"]["readOnly"] and mounts["adapters"]["readOnly"] and mounts["api-keys"]["readOnly"]
+    args = _serve_config(objects)["applications"][0]["args"]
+    assert args["model"] == "/models/HunyuanOCR-1.5" and args["adapters_dir"] == "/adapters"
+    assert args["api_keys_file"].startswith(mounts["api-keys"]["mountPath"])
+
+
+def test_redis_modes(chart_renders):
+    def redis_env(objects):
+        head = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]["headGroupSpec"]
+        return {e["name"]: e for e in head["template"]["spec"]["containers"][0]["env"]}.get("OCR_REDIS_URL")
+
+    internal = chart_renders["default"]
+    assert find(internal, "StatefulSet")[0]["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]
+    assert redis_env(internal)["value"] == "redis://ocr-ocr-service-redis:6379/0"
+    external = chart_renders["external-redis"]
+    assert not find(external, "StatefulSet")
+    assert redis_env(external)["valueFrom"]["secretKeyRef"] == {"name": "ocr-redis", "key": "url"}
+    from_values = chart_renders["autoscaling-off"]
+    secret = find(from_values, "Secret", "-redis-url")[0]
+    assert redis_env(from_values)["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert "redis_url" not in _serve_config(from_values)["applications"][0]["args"]  # never in the CR
+    assert redis_env(chart_renders["minimal"]) is None
+
+
+def test_monitoring_objects(chart_renders):
+    from service.metrics import METRIC_RELABEL_CONFIGS
+
+    objects = chart_renders["gpu-production"]
+    rule = find(objects, "PrometheusRule")[0]
+    alerts = yaml.safe_load((REPO / "deploy/grafana/alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]
+    dashboards = find(objects, "ConfigMap")
+    assert sorted(next(iter(c["data"])) for c in dashboards) == \
+        sorted(p.name for p in (REPO / "deploy/grafana/dashboards").glob("*.json"))
+    for cm in dashboards:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        json.loads(next(iter(cm["data"].values())))
+    camel = [{{"source_labels": "sourceLabels", "target_label": "targetLabel"}.get(k, k): v for k, v in r.items()}
+             for r in METRIC_RELABEL_CONFIGS]
+    pod_monitor = find(objects, "PodMonitor")[0]
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == camel
+    assert find(objects, "ServiceMonitor")[0]["spec"]["endpoints"][0]["metricRelabelings"] == camel
+
+
+def test_network_policy_limits_engine_egress(chart_renders):
+    policy = find(chart_renders["default"], "NetworkPolicy", "-engine")[0]["spec"]
+    assert set(policy["policyTypes"]) == {"Ingress", "Egress"}
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "engine"
+    destinations = [to for rule in policy["egress"] for to in rule["to"]]
+    assert all("ipBlock" not in d for d in destinations)  # no internet, no model hubs
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "ocr-service",
+                                            "app.kubernetes.io/instance": "ocr"}}} in destinations
+
+
+def test_names_come_from_the_release():
+    one = rendered_objects(render_chart(name="alpha"))
+    two = rendered_objects(render_chart(name="beta"))
+    names_one = {(o["kind"], o["metadata"]["name"]) for o in one}
+    names_two = {(o["kind"], o["metadata"]["name"]) for o in two}
+    assert not names_one & names_two  # two releases can share a namespace
+
+
+def test_crds_are_found_beside_the_repository():
+    assert CRD_DIR.is_dir() and (CRD_DIR / "ray.io_rayservices.yaml").exists()

@@ -1,0 +1,85 @@
+"""Smoke of the load test against the real embedded engine (Serve app from the session fixture): the headless
+runner and the Locust file each run for a few seconds and must leave sane summary files. No timing assertions —
+only that answers arrived, succeeded and were summarised consistently."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest import run
+from loadtest.documents import A4_SIZE, ID_CARD_FIELDS, ID_CARD_SIZE, make_documents, render_a4
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.ray
+
+
+def test_documents_have_requested_size_and_text():
+    card = make_documents("id_card", 2)
+    assert [(d.width, d.height) for d in card] == [ID_CARD_SIZE] * 2
+    assert set(card[0].fields) == set(ID_CARD_FIELDS)
+    assert card[0].fields != card[1].fields  # different seeds, different cards
+    for value in card[0].fields.values():
+        assert value in card[0].text  # every field value is rendered
+    medium, dense = render_a4(500, seed=1), render_a4(2000, seed=1)
+    assert (medium.width, medium.height) == A4_SIZE
+    assert 500 <= medium.chars <= 600  # ~500 characters: the "medium" document
+    assert 2000 <= dense.chars <= 2200
+    assert render_a4(500, seed=1).png == medium.png  # deterministic for a seed
+
+
+def test_headless_runner_writes_sane_summary(embedded_url, tmp_path):
+    out = tmp_path / "load"
+    rc = run.main(["--url", embedded_url, "--workload", "mixed", "--mode", "closed", "--levels", "1,2",
+                   "--duration", "3", "--warmup", "0", "--min-answers", "2", "--docs", "1",
+                   "--warmup-requests", "1", "--slo-ms", "600000", "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task_override"] == "text"  # embedded engine: the ID-card extraction became `text`
+    steps = summary["steps"]
+    assert [s["level"] for s in steps] == [1, 2]
+    for step in steps:
+        assert step["ok"] >= 2 and step["errors"] == 0 and step["rate_limited"] == 0
+        assert step["docs_per_s"] == pytest.approx(step["ok"] / step["window_s"], rel=0.01)
+        assert 0 < step["latency_ms_p50"] <= step["latency_ms_p95"] <= step["latency_ms_p99"] <= step["latency_ms_max"]
+        assert step["error_rate"] == 0 and step["rate_429"] == 0
+        assert step["goodput"] == 1.0  # every answer succeeded within the (generous) SLO
+        assert step["output_tokens_per_s"] > 0  # the engine read text from the rendered pages
+    with (out / "summary.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [float(r["docs_per_s"]) for r in rows] == [s["docs_per_s"] for s in steps]
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_goodput_and_error_rates_count_the_window():
+    samples = [run.Sample(0.0, 0.5, 200, True), run.Sample(0.2, 2.0, 200, True),  # ok, ok but slow
+               run.Sample(1.0, 0.1, 429, False, "rate_limited"), run.Sample(1.5, 0.1, 500, False, "internal_error"),
+               run.Sample(9.5, 1.0, 200, True)]  # ends after the window
+    step = run.StepResult("t", "closed", 1, duration_s=4.0, warmup_s=0.0, samples=samples)
+    summary = step.summary(slo_ms=1000)
+    assert summary["answers"] == 4 and summary["ok"] == 2
+    assert summary["docs_per_s"] == 0.5
+    assert summary["rate_429"] == 0.25 and summary["error_rate"] == 0.5
+    assert summary["goodput"] == 0.25  # one of four answers succeeded within 1 s
+    assert summary["error_codes"] == {"rate_limited": 1, "internal_error": 1}
+
+
+def test_locust_file_runs_headless(embedded_url, tmp_path):
+    env = {**os.environ, "OCR_LOADTEST_WORKLOAD": "id_card", "OCR_LOADTEST_DOCS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--host", embedded_url,
+         "--headless", "-u", "1", "-r", "1", "-t", "8s", "--stop-timeout", "120", "--csv", str(tmp_path / "locust"), "--only-summary"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with (tmp_path / "locust_stats.csv").open() as fh:
+        rows = {row["Name"]: row for row in csv.DictReader(fh)}
+    assert "/v1/ocr [id_card text]" in rows  # named by kind and (embedded-engine) task
+    total = rows["Aggregated"]
+    assert int(total["Request Count"]) >= 1 and int(total["Failure Count"]) == 0

@@ -1,0 +1,222 @@
+"""Token buckets against a real redis-server: the Lua script (atomic, Redis clock, TTL, Cluster-safe keys), several
+processes sharing one bucket, and the failover limiter when Redis is killed, hung and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import time
+
+import pytest
+
+from service.admission.ratelimit import (
+    FailoverLimiter,
+    LocalTokenBucket,
+    RedisTokenBucket,
+    bucket_key,
+    make_limiter,
+)
+from service.errors import OCRError
+from service.settings import Settings
+
+RECOVERY_DEADLINE_S = 5.0  # the documented bound for getting back on Redis
+
+
+@pytest.fixture
+async def bucket(redis_server):
+    limiter = RedisTokenBucket.from_url(redis_server.url, timeout_s=0.5)
+    yield limiter
+    await limiter.close()
+
+
+async def test_burst_then_denied_with_retry_after(bucket):
+    decisions = [await bucket.acquire("acme", 1, 1.0, 5) for _ in range(7)]
+    assert [d.allowed for d in decisions] == [True] * 5 + [False] * 2
+    assert [int(d.remaining) for d in decisions[:5]] == [4, 3, 2, 1, 0]
+    denied = decisions[5]
+    assert 0 < denied.retry_after_s <= 1.0
+    headers = denied.headers()
+    assert headers["Retry-After"] == "1" and headers["RateLimit-Limit"] == "5"
+    assert headers["RateLimit-Remaining"] == "0" and int(headers["RateLimit-Reset"]) >= 1
+    assert "Retry-After" not in decisions[0].headers()
+
+
+async def test_key_name_is_cluster_safe_and_expires_after_twice_the_refill_time(bucket, redis_server):
+    await bucket.acquire("acme", 1, 2.0, 10)  # refill time 10/2 = 5 s → TTL ≈ 10 s
+    await bucket.acquire("we{ir}d", 1, 2.0, 10)
+    client = redis_server.client()
+    assert sorted(client.keys("*")) == [b"ocr:rl:{acme}", b"ocr:rl:{we%7Bir%7Dd}"]
+    assert bucket_key("p:", "we{ir}d") == "p:{we%7Bir%7Dd}"  # braces in a name cannot move the hash tag
+    ttl_ms = client.pttl("ocr:rl:{acme}")
+    assert 9_000 < ttl_ms <= 10_000
+    assert set(client.hgetall("ocr:rl:{acme}")) == {b"tokens", b"ts"}
+
+
+async def test_refill_uses_the_redis_clock(bucket, redis_server):
+    client = redis_server.client()
+    seconds, micros = client.time()
+    # empty bucket whose last update was 3 s ago by Redis' own clock: 3 tokens have refilled at 1 token/s
+    client.hset("ocr:rl:{acme}", mapping={"tokens": 0, "ts": seconds * 1_000_000 + micros - 3_000_000})
+    decision = await bucket.acquire("acme", 1, 1.0, 10)
+    assert decision.allowed and 2.0 <= decision.remaining < 2.5
+
+
+async def test_tenants_have_separate_buckets(bucket):
+    assert [(await bucket.acquire("a", 1, 0.01, 3)).allowed for _ in range(4)] == [True, True, True, False]
+    assert [(await bucket.acquire("b", 1, 0.01, 3)).allowed for _ in range(4)] == [True, True, True, False]
+
+
+async def test_refill_after_retry_after_admits_again(bucket):
+    while (await bucket.acquire("acme", 1, 2.0, 2)).allowed:
+        pass
+    denied = await bucket.acquire("acme", 1, 2.0, 2)
+    assert not denied.allowed
+    await asyncio.sleep(int(denied.headers()["Retry-After"]))
+    assert (await bucket.acquire("acme", 1, 2.0, 2)).allowed
+
+
+async def test_cost_above_the_burst_takes_the_whole_bucket(bucket):
+    first = await bucket.acquire("acme", 500, 1.0, 100)
+    assert first.allowed and first.remaining == 0
+    second = await bucket.acquire("acme", 500, 1.0, 100)
+    assert not second.allowed and 99 < second.retry_after_s <= 100
+
+
+def _hammer(url: str, tenant: str, attempts: int, concurrency: int, start_at: float, out) -> None:
+    """One process: `concurrency` tasks share `attempts` decisions against one bucket."""
+
+    async def run() -> int:
+        limiter = RedisTokenBucket.from_url(url, timeout_s=2.0)
+        remaining = attempts
+        admitted = 0
+
+        async def worker():
+            nonlocal remaining, admitted
+            while remaining > 0:
+                remaining -= 1
+                if (await limiter.acquire(tenant, 1, 0.001, 1000)).allowed:
+                    admitted += 1
+
+        await asyncio.sleep(max(0.0, start_at - time.time()))  # all processes start together
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await limiter.close()
+        return admitted
+
+    out.put(asyncio.run(run()))
+
+
+def test_no_over_admission_from_several_processes(redis_server):
+    """4 processes × 8 tasks race for one bucket of 1000 tokens (refill 0.001/s): the script is atomic, so exactly the
+    bucket is admitted (the issue allows 1 % over-admission)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    start_at = time.time() + 3.0  # after the spawned interpreters have imported redis
+    procs = [ctx.Process(target=_hammer, args=(redis_server.url, "shared", 600, 8, start_at, out))
+             for _ in range(4)]
+    for p in procs:
+        p.start()
+    admitted = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert all(a > 0 for a in admitted), admitted  # every process really competed
+    assert 1000 <= sum(admitted) <= 1010, admitted
+
+
+async def _until_back_on_redis(limiter: FailoverLimiter, redis_server, tenant: str) -> float:
+    """Drive decisions until one lands in Redis again; returns how long that took."""
+    started = time.monotonic()
+    client = redis_server.client()
+    while time.monotonic() - started < RECOVERY_DEADLINE_S + 2:
+        try:
+            await limiter.acquire(tenant, 1, 100.0, 1000)
+        except OCRError:
+            pass
+        if not limiter.degraded and client.exists(bucket_key("ocr:rl:", tenant)):
+            return time.monotonic() - started
+        await asyncio.sleep(0.05)
+    pytest.fail("the limiter did not get back on Redis")
+
+
+async def test_redis_killed_fail_open_uses_the_replica_share_and_recovers(redis_server, caplog):
+    errors: list[BaseException] = []
+    limiter = FailoverLimiter(RedisTokenBucket.from_url(redis_server.url, timeout_s=0.05), fail_mode="open",
+                              replicas=4, probe_interval_s=0.2, log_interval_s=60, on_backend_error=errors.append)
+    caplog.set_level(logging.WARNING, logger="service.admission.ratelimit")
+    try:
+        before = await limiter.acquire("acme", 1, 0.01, 40)
+        assert before.allowed and before.limit == 40 and not limiter.degraded
+
+        redis_server.kill()
+        during = []
+        deadline = time.monotonic() + 1.0  # steady load for ~5 probe intervals
+        while time.monotonic() < deadline:
+            during.append(await limiter.acquire("acme", 1, 0.01, 40))
+            await asyncio.sleep(0.01)
+        assert limiter.degraded
+        # local bucket with this replica's share: burst 40 / 4 replicas = 10 admitted, then 429s
+        assert all(d.limit == 10 for d in during)
+        assert sum(d.allowed for d in during) == 10 and not during[-1].allowed
+        # one error per probe (not one per request), each reported to the hook; logged once per interval
+        assert 2 <= limiter.backend_errors == len(errors) < len(during)
+        outage_logs = [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
+        assert len(outage_logs) == 1
+
+        redis_server.start()
+        took = await _until_back_on_redis(limiter, redis_server, "acme")
+        assert took <= RECOVERY_DEADLINE_S
+        assert any("Redis is back" in r.getMessage() for r in caplog.records)
+        after = await limiter.acquire("acme", 1, 0.01, 40)
+        assert after.limit == 40  # the shared bucket again
+    finally:
+        redis_server.resume()
+        await limiter.close()
+
+
+async def test_redis_killed_fail_closed_answers_503_then_recovers(redis_server):
+    limiter = FailoverLimiter(RedisTokenBucket.from_url(redis_server.url, timeout_s=0.05), fail_mode="closed",
+                              probe_interval_s=0.5)
+    try:
+        assert (await limiter.acquire("acme", 1, 1.0, 10)).allowed
+        redis_server.kill()
+        for _ in range(3):
+            with pytest.raises(OCRError) as info:
+                await limiter.acquire("acme", 1, 1.0, 10)
+            assert info.value.code == "rate_limiter_unavailable" and info.value.status == 503
+            assert int(info.value.headers["Retry-After"]) >= 1
+        redis_server.start()
+        assert await _until_back_on_redis(limiter, redis_server, "acme") <= RECOVERY_DEADLINE_S
+    finally:
+        await limiter.close()
+
+
+async def test_hung_redis_times_out_to_the_local_bucket(redis_server):
+    errors: list[BaseException] = []
+    limiter = FailoverLimiter(RedisTokenBucket.from_url(redis_server.url, timeout_s=0.05), fail_mode="open",
+                              probe_interval_s=0.2, on_backend_error=errors.append)
+    try:
+        assert (await limiter.acquire("acme", 1, 1.0, 10)).allowed
+        redis_server.pause()  # port open, nobody answers
+        decision = await limiter.acquire("acme", 1, 1.0, 10)
+        assert decision.allowed and limiter.degraded
+        assert errors and "Timeout" in type(errors[0]).__name__
+        redis_server.resume()
+        assert await _until_back_on_redis(limiter, redis_server, "acme") <= RECOVERY_DEADLINE_S
+    finally:
+        redis_server.resume()
+        await limiter.close()
+
+
+async def test_local_bucket_holds_the_replica_share():
+    bucket = LocalTokenBucket(replicas=4)
+    decisions = [bucket.acquire_sync("acme", 1, 0.01, 20) for _ in range(6)]
+    assert [d.allowed for d in decisions] == [True] * 5 + [False]
+    assert decisions[0].limit == 5
+
+
+def test_make_limiter_follows_the_settings(redis_server):
+    assert isinstance(make_limiter(Settings()), LocalTokenBucket)
+    limiter = make_limiter(Settings(redis_url=redis_server.url, rate_limit_fail_mode="closed", ingress_replicas=3))
+    assert isinstance(limiter, FailoverLimiter) and limiter.fail_mode == "closed"
+    assert limiter.fallback.acquire_sync("t", 1, 3.0, 30).limit == 10
