@@ -154,7 +154,7 @@ def measure_matmul(tiny: bool, seconds: float = 3.0) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"device": device, "dtype": str(dtype).replace("torch.", ""), "n": n,
-            "tflops": round(2 * n**3 * count / elapsed / 1e12, 1)}
+            "tflops": float(f"{2 * n**3 * count / elapsed / 1e12:.3g}")}
 
 
 def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int, height: int, text_tokens: int,
@@ -422,10 +422,10 @@ class Bench:
             text_tokens = self._text_tokens(w)
             flops = page_flops(self.config, self.preprocessor, doc.width, doc.height, text_tokens,
                                w.job.max_tokens or 64)
-            entry: dict[str, Any] = {"flops_per_doc": {k: round(v, 3) if isinstance(v, float) else v
+            entry: dict[str, Any] = {"flops_per_doc": {k: float(f"{v:.4g}") if isinstance(v, float) else v
                                                        for k, v in flops.items()}}
             if tflops:
-                entry["roofline_docs_per_s"] = round(tflops / flops["total_tflop"], 2)
+                entry["roofline_docs_per_s"] = float(f"{tflops / flops['total_tflop']:.4g}")
             peaks = {}
             for name in ("raw", "service"):
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
@@ -518,7 +518,8 @@ class Bench:
         if r["skipped"]:
             lines += ["", "Skipped: " + "; ".join(r["skipped"])]
         if r.get("errors"):
-            lines += ["", "Errors: " + "; ".join(f"{k}: {v.splitlines()[-1] if v else v}" for k, v in r["errors"].items())]
+            lines += ["", "Errors: " + "; ".join(f"{k}: {(v.strip().splitlines() or [''])[-1]}"
+                                                 for k, v in r["errors"].items())]
         return "\n".join(lines) + "\n"
 
     def finish(self) -> None:

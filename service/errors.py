@@ -60,3 +60,23 @@ class OCRError(Exception):
 
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message}}
+
+
+def openapi_error_responses(*statuses: int) -> dict[int, dict]:
+    """OpenAPI `responses` entries (for route decorators) for the given statuses, or all documented ones: each lists
+    the error codes that come with that status and the shared `{"error": {"code", "message"}}` body schema."""
+    by_status: dict[int, list[str]] = {}
+    for code, (status, when) in ERROR_CODES.items():
+        if not statuses or status in statuses:
+            by_status.setdefault(status, []).append(f"`{code}`: {when}")
+    body = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {"code": {"type": "string", "enum": sorted(ERROR_CODES)}, "message": {"type": "string"}},
+        }},
+    }
+    return {status: {"description": " ".join(lines), "content": {"application/json": {"schema": body}}}
+            for status, lines in sorted(by_status.items())}

@@ -285,3 +285,30 @@ def test_names_come_from_the_release():
 
 def test_crds_are_found_beside_the_repository():
     assert CRD_DIR.is_dir() and (CRD_DIR / "ray.io_rayservices.yaml").exists()
+
+
+def test_every_value_has_a_helm_docs_comment():
+    """helm-docs: each value (or the map/list above it) carries a `# --` comment."""
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
+    undocumented = []
+    stack: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or stripped.startswith("- "):
+            continue
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        j = i - 1
+        comment = []
+        while j >= 0 and lines[j].strip().startswith("#"):
+            comment.append(lines[j].strip())
+            j -= 1
+        documented = any(c.startswith("# --") for c in comment)
+        rest = [ln for ln in lines[i + 1:] if ln.strip() and not ln.strip().startswith("#")]
+        has_children = bool(rest) and (len(rest[0]) - len(rest[0].lstrip())) > indent \
+            and not rest[0].strip().startswith("- ") and stripped.endswith(":")
+        if not documented and not any(d for _, d in stack) and not has_children:
+            undocumented.append(stripped)
+        stack.append((indent, documented))
+    assert not undocumented, undocumented

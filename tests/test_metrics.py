@@ -295,3 +295,27 @@ def test_metrics_can_be_switched_off():
 
     assert IngressMetrics.for_settings(Settings(metrics_enabled=False)).enabled is False
     assert METRICS_BY_NAME["ocr_requests"].exported_names == ("ocr_requests_total",)
+
+
+def test_engine_adapter_use_counts_hits_loads_and_refused_adapters():
+    from service.errors import OCRError
+    from service.metrics import EngineMetrics
+
+    recorder = Recorder()
+    metrics = EngineMetrics(recorder, engine="vllm")
+    with metrics.adapter_use("invoices", already_loaded=False):
+        pass
+    with metrics.adapter_use("invoices", already_loaded=True):
+        pass
+    with pytest.raises(OCRError), metrics.adapter_use("broken", already_loaded=False):
+        raise OCRError("invalid_adapter", "rank too large")
+    with pytest.raises(OCRError), metrics.adapter_use("no-such-adapter", already_loaded=False):
+        raise OCRError("unknown_adapter", "does not exist")  # never a label
+    with metrics.adapter_use(None, already_loaded=False):
+        pass
+    assert [c[3] for c in recorder.of("ocr_adapter_loads")] == [{"adapter": "invoices", "outcome": "ok"},
+                                                               {"adapter": "broken", "outcome": "error"}]
+    assert [c[3] for c in recorder.of("ocr_adapter_cache_hits")] == [{"adapter": "invoices"}]
+    with metrics.ongoing():
+        assert recorder.of("ocr_engine_ongoing_requests")[-1][2] == 1
+    assert recorder.of("ocr_engine_ongoing_requests")[-1][2] == 0

@@ -20,7 +20,8 @@ def make_router(ctx: AppContext) -> APIRouter:
     async def healthz():
         return {"status": "ok"}
 
-    @router.get("/readyz", summary="Engine loaded and a real tiny inference passed")
+    @router.get("/readyz", summary="Engine loaded and a real tiny inference passed",
+                responses={503: {"description": "Not ready: engine unavailable, or draining before shutdown."}})
     async def readyz():
         if ctx.draining:
             return JSONResponse({"status": "draining"}, status_code=503)

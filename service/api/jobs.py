@@ -31,7 +31,7 @@ from service.admission.images import DecodedImage, decode_image, sniff_format
 from service.admission.pdf import choose_dpi, inspect_pdf, page_pixel_budget, parse_page_range
 from service.api.context import AppContext
 from service.api.ocr import admit, rate_limit_cost, request_from_form_fields, validate_task
-from service.errors import OCRError
+from service.errors import OCRError, openapi_error_responses
 from service.jobs.model import TERMINAL, JobAccepted, JobRecord, JobView
 from service.jobs.runner import JobRunner, JobSource
 from service.jobs.store import make_store
@@ -116,7 +116,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         return state
 
     @router.post("/v1/jobs", status_code=202, response_model=JobAccepted, openapi_extra=JOBS_OPENAPI_EXTRA,
-                 responses={400: {"model": dict}, 413: {"model": dict}, 415: {"model": dict}, 429: {"model": dict}},
+                 responses=openapi_error_responses(),
                  summary="Start a multi-page job (one PDF or several images)")
     async def create_job(request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
@@ -173,14 +173,16 @@ def make_router(ctx: AppContext) -> APIRouter:
         return JSONResponse(accepted.model_dump(mode="json"), status_code=202,
                             headers={**headers, "Location": f"/v1/jobs/{job_id}"})
 
-    @router.get("/v1/jobs/{job_id}", response_model=JobView, summary="Job status and the results so far")
+    @router.get("/v1/jobs/{job_id}", response_model=JobView, summary="Job status and the results so far",
+                responses=openapi_error_responses(401, 403, 404))
     async def get_job(job_id: str, request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
         record, done, failed = await owned(job_id, principal)
         pages = await store.pages(job_id)
         return JSONResponse(JobView.of(record, done, failed, pages).model_dump(mode="json"))
 
-    @router.delete("/v1/jobs/{job_id}", response_model=JobView, summary="Cancel a job")
+    @router.delete("/v1/jobs/{job_id}", response_model=JobView, summary="Cancel a job",
+                   responses=openapi_error_responses(401, 403, 404))
     async def cancel_job(job_id: str, request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
         record, _, _ = await owned(job_id, principal)

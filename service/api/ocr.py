@@ -25,7 +25,7 @@ from service.admission.prompts import build_prompt, guided_json_for
 from service.api.context import AppContext
 from service.api.protocol import OCRRequest, OCRResponse
 from service.engine.protocol import EngineRequest, EngineResult
-from service.errors import OCRError
+from service.errors import OCRError, openapi_error_responses
 from service.metrics import STATE_TASK, STATE_TENANT
 from service.parsing.extraction import check_schema, schema_for_fields
 from service.parsing.repetition import guard_result
@@ -260,8 +260,7 @@ def make_router(ctx: AppContext) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/ocr", response_model=OCRResponse, openapi_extra=OCR_OPENAPI_EXTRA,
-                 responses={400: {"model": dict}, 413: {"model": dict}, 415: {"model": dict}, 429: {"model": dict}},
-                 summary="Recognise one image (or single-page PDF)")
+                 responses=openapi_error_responses(), summary="Recognise one image (or single-page PDF)")
     async def ocr(request: Request):
         started = time.perf_counter()
         principal = ctx.authenticator.authenticate(request.headers)

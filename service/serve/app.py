@@ -41,15 +41,42 @@ class EngineDeployment:
         self.metrics = EngineMetrics.for_settings(self.settings)  # ocr_engine_* of this replica
         await self.engine.start()
         self.metrics.healthy(True)
+        # LoRA adapters through Serve model multiplexing: requests for an adapter are routed to replicas that hold
+        # it; past max_adapters_per_replica, Serve evicts the least recently used one (its slot frees vLLM's)
+        self._adapter_slot = serve.multiplexed(max_num_models_per_replica=self.settings.max_adapters_per_replica)(
+            self._adapter_loader())
+
+    def _adapter_loader(self):
+        engine, loop = self.engine, asyncio.get_running_loop()
+
+        async def load_adapter_slot(name: str) -> AdapterSlot:
+            await engine.load_adapter(name)
+            return AdapterSlot(engine, name, loop)
+
+        return load_adapter_slot
+
+    async def _hold_adapter(self, adapter: str | None) -> None:
+        """Make this replica hold the adapter (loads it, LRU bookkeeping, reports it to Serve's router)."""
+        if adapter:
+            await self._adapter_slot(adapter)
 
     async def generate(self, request: EngineRequest) -> EngineResult:
-        with self.latency.track(), self.metrics.ongoing():
+        with self.latency.track(), self.metrics.ongoing(), \
+                self.metrics.adapter_use(request.adapter, self._has_loaded(request.adapter)):
+            await self._hold_adapter(request.adapter)
             return await self.engine.generate(request)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
-        with self.latency.track(), self.metrics.ongoing():
+        with self.latency.track(), self.metrics.ongoing(), \
+                self.metrics.adapter_use(request.adapter, self._has_loaded(request.adapter)):
+            await self._hold_adapter(request.adapter)
             async for delta in self.engine.stream(request):
                 yield delta
+
+    def _has_loaded(self, adapter: str | None) -> bool:
+        """Whether the engine holds this adapter already (engines with LoRA slots expose `loaded_adapters`)."""
+        loaded = getattr(self.engine, "loaded_adapters", None)
+        return bool(adapter) and loaded is not None and adapter in loaded()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Custom autoscaling metrics Serve pushes to the controller (p95 latency over the look-back window)."""
@@ -70,13 +97,16 @@ class EngineDeployment:
         return await self.engine.list_adapters()
 
     async def load_adapter(self, name: str, path: str | None = None) -> None:
-        try:
+        with self.metrics.adapter_use(name, self._has_loaded(name)):
             await self.engine.load_adapter(name, path)
-        except OCRError as exc:
-            if exc.code != "unknown_adapter":  # an unknown name is a client mistake, not a load (bounded labels)
-                self.metrics.adapter_loaded(name, ok=False)
-            raise
-        self.metrics.adapter_loaded(name, ok=True)
+            await self._hold_adapter(name)
+
+    async def adapter_status(self) -> list[dict[str, Any]]:
+        """[{name, loaded}] of this replica (engines without LoRA slots: everything listed counts as loaded)."""
+        status = getattr(self.engine, "adapter_status", None)
+        if status is not None:
+            return await status()
+        return [{"name": name, "loaded": True} for name in await self.engine.list_adapters()]
 
     async def unload_adapter(self, name: str) -> None:
         await self.engine.unload_adapter(name)
@@ -86,6 +116,31 @@ class EngineDeployment:
         try:
             await self.engine.shutdown()
         except Exception:  # best effort: the process is going away
+            pass
+
+
+class AdapterSlot:
+    """What Serve's multiplexing cache holds per adapter. Serve calls `__del__` when it evicts the adapter (LRU);
+    that frees the engine's slot. Sync on purpose: Serve runs it in a thread, and garbage collection may run it too
+    (an async `__del__` would leave an un-awaited coroutine there)."""
+
+    def __init__(self, engine, name: str, loop: asyncio.AbstractEventLoop):
+        self.engine, self.name, self._loop = engine, name, loop
+        self._released = False
+
+    def __del__(self):
+        if self._released:
+            return
+        self._released = True
+        try:
+            asyncio.run_coroutine_threadsafe(self._unload(), self._loop)
+        except RuntimeError:  # loop closed: the replica is gone anyway
+            pass
+
+    async def _unload(self) -> None:
+        try:
+            await self.engine.unload_adapter(self.name)
+        except OCRError:  # already unloaded (admin) or never existed
             pass
 
 
@@ -172,6 +227,9 @@ class ServeEngineClient:
 
     async def unload_adapter(self, name: str) -> None:
         await self._handle.unload_adapter.remote(name)
+
+    async def adapter_status(self) -> list[dict[str, Any]]:
+        return await self._handle.adapter_status.remote()
 
 
 @serve.ingress()

@@ -88,7 +88,7 @@ async function onSubmit(event) {
     setStatus("Choose a file first.", "error");
     return;
   }
-  $("pages").replaceChildren();
+  $("results").replaceChildren();
   $("run").disabled = true;
   try {
     if (files.length === 1 && !isPdf(files[0])) await runSingle(files[0]);
@@ -234,9 +234,11 @@ async function drawPage(canvas, imageSrc, result) {
       g.drawImage(await loadImage(imageSrc), 0, 0, canvas.width, canvas.height);
     } catch (_) { /* boxes on white */ }
   }
-  const fontSize = Math.max(11, Math.round(14 * Math.max(scale, 0.6)));
+  // labels and strokes keep a readable size on screen whatever CSS scaling the canvas gets
+  const shown = canvas.clientWidth ? canvas.clientWidth / canvas.width : 1;
+  const fontSize = Math.round(12 / shown);
   g.font = `${fontSize}px sans-serif`;
-  g.lineWidth = 2;
+  g.lineWidth = Math.max(1.5, 1.5 / shown);
   let drawn = 0;
   for (const line of result.lines || []) {
     const colour = confidenceColour(line.confidence);
@@ -277,7 +279,7 @@ function timingsTable(timings, extra) {
 async function renderPage({ number, imageSrc, result, error, clientMs, dpi, attempts }) {
   const card = el("article", { class: "page", "data-page": String(number) });
   card.appendChild(el("h2", {}, `Page ${number}`));
-  $("pages").appendChild(card);
+  $("results").appendChild(card);
   if (error || !result) {
     const message = error ? `${error.code}: ${error.message}` : "no result";
     card.appendChild(el("p", { class: "error page-error" }, `Failed after ${attempts || 0} attempt(s) — ${message}`));

@@ -1,0 +1,68 @@
+"""Schemathesis against the service's own /openapi.json: positive and negative data, >= 200 examples per operation,
+fixed seed. Every response must be a non-5xx that conforms to the documented schema (status, content type, body).
+
+The app runs in-process around the mock engine (the layers above the engine seam are what the fuzzer exercises; the
+real-engine hostile inputs are tests/test_hostile_inputs.py), so the whole run takes seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis", reason="pip install -e .[dev] (schemathesis)")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from service.api.app import create_app  # noqa: E402
+from service.api.context import AppContext  # noqa: E402
+from service.engine.mock import MockEngine  # noqa: E402
+from service.settings import Settings  # noqa: E402
+
+SEED = 20261130
+EXAMPLES_PER_OPERATION = 200
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+
+
+def fuzz_app():
+    """The API around the mock engine; the limiter is off so the fuzzer reaches every layer behind it."""
+    settings = Settings(engine="mock", rate_limit_enabled=False, max_body_bytes=1024 * 1024)
+    return create_app(AppContext(settings=settings, engine=MockEngine()))
+
+
+APP = fuzz_app()
+CONFIG = schemathesis.Config.from_dict({
+    "seed": SEED,
+    # mode "all" = positive and negative data
+    "generation": {"mode": "all", "max-examples": EXAMPLES_PER_OPERATION, "deterministic": True},
+})
+schema = schemathesis.openapi.from_asgi("/openapi.json", APP, config=CONFIG)
+EXAMPLES: collections.Counter[str] = collections.Counter()
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_openapi_fuzz(case):
+    EXAMPLES[f"{case.operation.method.upper()} {case.operation.path}"] += 1
+    response = case.call()
+    case.validate_response(response, checks=CHECKS)
+
+
+def test_fuzzing_reached_every_operation_often_enough():
+    """Runs after the fuzz test in this module (pytest keeps file order): each operation got its examples."""
+    operations = {f"{op.ok().method.upper()} {op.ok().path}" for op in schema.get_all_operations()}
+    assert operations, "the OpenAPI document lists no operations"
+    if not EXAMPLES:
+        pytest.skip("run together with test_openapi_fuzz")
+    print("examples per operation:", dict(EXAMPLES))
+    posts = [op for op in operations if op.startswith(("POST", "PUT", "PATCH"))]
+    for op in posts:
+        assert EXAMPLES[op] >= EXAMPLES_PER_OPERATION, (op, EXAMPLES[op])
