@@ -338,6 +338,7 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
         "client_dropped": step.client_dropped,
         "docs_per_s": r(len(ok) / window, 3),
         "output_tokens_per_s": r(out_tokens / window, 1),
+        "output_tokens_mean": r(out_tokens / len(ok), 1) if ok else None,
         "latency_ms_mean": r(float(np.mean(latencies_ms)) if latencies_ms else None),
         "latency_ms_p50": r(percentile(latencies_ms, 50)),
         "latency_ms_p95": r(percentile(latencies_ms, 95)),

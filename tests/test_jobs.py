@@ -268,3 +268,30 @@ async def test_redis_down_is_a_503_with_a_stable_code(redis_server):
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "job_store_unavailable"
         resp = await client.get("/v1/jobs/job-x")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "job_store_unavailable"
+
+
+class BearerTenants:
+    """Authenticator for the test: `Bearer <tenant>` is that tenant (role user)."""
+
+    def authenticate(self, headers):
+        from service.admission.auth import Principal
+        from service.errors import OCRError
+
+        token = headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not token:
+            raise OCRError("unauthorized", "missing API key")
+        return Principal(tenant=token)
+
+
+async def test_a_tenant_cannot_see_or_cancel_another_tenants_job():
+    ctx = AppContext(settings=Settings(), engine=MockEngine(delay_s=0.2), authenticator=BearerTenants())
+    app = create_app(ctx)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+        job = (await client.post("/v1/jobs", files=image_parts(3), data={"task": "text"}, headers=alice)).json()
+        for method, path in [("GET", ""), ("GET", "/events"), ("DELETE", "")]:
+            resp = await client.request(method, f"/v1/jobs/{job['id']}{path}", headers=bob)
+            assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+        assert (await client.get(f"/v1/jobs/{job['id']}")).status_code == 401
+        events = parse_sse((await client.get(f"/v1/jobs/{job['id']}/events", headers=alice)).text)
+        assert events[-1][2]["status"] == "succeeded"  # bob's DELETE did not cancel it

@@ -29,7 +29,7 @@ COUNT_COLOURED_PIXELS = """(canvas) => {
 }"""
 
 # The colour at the middle of a box's top edge, in canvas pixels (scaled like the page drawing).
-EDGE_PIXEL = """([canvas, box, pageWidth]) => {
+EDGE_PIXEL = """(canvas, [box, pageWidth]) => {
   const s = canvas.width / pageWidth;
   const x = Math.round((box[0] + box[2]) / 2 * s), y = Math.round(box[1] * s);
   let best = [0, 0, 0];
@@ -85,7 +85,7 @@ def test_ui_spotting_draws_boxes_over_the_image(embedded_url, browser_page, tmp_
     # a box edge is drawn where the API says the line is (confidence colour: green above 0.9)
     result = page.evaluate("JSON.parse(document.querySelector('.page-json').textContent)")
     first = next(line for line in result["lines"] if "Invoice" in line["text"])
-    r, g, b = canvas.evaluate(EDGE_PIXEL, [canvas.element_handle(), first["box"], result["image"]["width"]])
+    r, g, b = canvas.evaluate(EDGE_PIXEL, [first["box"], result["image"]["width"]])
     assert g > r + 60 and g > b + 40, (r, g, b)
     assert "Done in" in page.inner_text("#status")
     assert page.locator(".timings th", has_text="engine").count() == 1
@@ -121,3 +121,10 @@ def test_ui_pdf_job_shows_pages_as_they_arrive(embedded_url, browser_page, tmp_p
     browser_page.screenshot("ui_pdf_job.png")
     assert same_origin(browser_page.requests, embedded_url) == []
     assert browser_page.console_errors == []
+
+
+def test_ocr_serve_ui_prints_the_url(capsys):
+    from service.cli import main
+
+    assert main(["ui", "--url", "http://127.0.0.1:9999/"]) == 0
+    assert "http://127.0.0.1:9999/ui" in capsys.readouterr().out

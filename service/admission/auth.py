@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,20 +154,21 @@ class KeyFileAuthenticator:
         self.reload_interval_s = reload_interval_s
         self._clock = clock
         self._by_hash: dict[str, KeyRecord] = {}
-        self._signature: tuple | None = None
+        self._signature: str | None = None
         self._next_check = 0.0
-        self._load(self._stat())
+        self._load(self._fingerprint())
         active = sum(not r.revoked for r in self._by_hash.values())
         log.info("API keys: %d active, %d revoked, from %s", active, len(self._by_hash) - active, self.path)
 
-    def _stat(self) -> tuple | None:
+    def _fingerprint(self) -> str | None:
+        """Digest of the file's bytes (a few KB, read at most once per reload interval): unlike mtime/inode it
+        cannot miss a change, and it follows the Secret volume's `..data` symlink swap."""
         try:
-            st = os.stat(self.path)  # follows the Secret's ..data symlink, so a swap changes inode/mtime
+            return hashlib.sha256(self.path.read_bytes()).hexdigest()
         except OSError:
             return None
-        return (st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size)
 
-    def _load(self, signature: tuple | None) -> None:
+    def _load(self, signature: str | None) -> None:
         parsed = load_key_file(self.path)
         self._by_hash = {r.sha256: r for r in parsed.keys}
         self._signature = signature
@@ -178,7 +178,7 @@ class KeyFileAuthenticator:
         if now < self._next_check:
             return
         self._next_check = now + self.reload_interval_s
-        signature = self._stat()
+        signature = self._fingerprint()
         if signature == self._signature:
             return
         if signature is None:

@@ -34,6 +34,7 @@ PDF_MAX_PAGE_SIDE_PT = 14_400.0
 POINTS_PER_INCH = 72.0
 _HEADER = struct.Struct(">I")  # length prefix of each worker message header (JSON)
 _MAX_HEADER_BYTES = 1 << 20
+_WORKER_ENV = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "HOME", "TMPDIR")
 # Filter arrays in the raw bytes; two decompressing filters in one chain multiply their ratios (~1000× each for
 # Flate): a few KiB can expand to many GiB. Legitimate writers never chain them. (Streams inside compressed object
 # streams are invisible here; the sandbox's memory and time bounds catch those.)
@@ -161,7 +162,8 @@ class _Worker:
 
     def __init__(self, request: dict[str, Any], data: bytes, timeout_s: float):
         self.timeout_s = timeout_s
-        env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "HOME")}
+        # a minimal environment: the sandbox needs no secrets (Redis URL, keys) to rasterise a page
+        env = {k: v for k, v in os.environ.items() if k in _WORKER_ENV}
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen([sys.executable, "-m", "service.admission.pdf"], stdin=subprocess.PIPE,
@@ -228,6 +230,8 @@ def inspect_pdf(data: bytes, settings, pages: str | None = None) -> PdfInfo:
     worker = _Worker({"op": "inspect", "pages": pages, **_limits(settings)}, data, settings.pdf_render_timeout_s)
     try:
         header, _ = worker.read()
+        while header.get("type") == "progress":  # one per loaded page: the timeout is per page, not per document
+            header, _ = worker.read()
     finally:
         worker.close()
     if header.get("type") == "error":
@@ -363,6 +367,7 @@ def _worker(request: dict[str, Any], data: bytes, out) -> None:
             page.close()
             pages.append({"number": number, "width_pt": height if rotated else width,
                           "height_pt": width if rotated else height})
+            _send(out, {"type": "progress", "number": number})
         _send(out, {"type": "info", "page_count": page_count, "pages": pages})
         return
     for number in request["numbers"]:

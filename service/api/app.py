@@ -16,7 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.context import AppContext
 from service.api.health import make_router as health_router
+from service.api.adapters import make_router as adapters_router
 from service.api.ocr import make_router as ocr_router
+from service.api.openai import make_router as openai_router
 from service.api.jobs import JOB_MULTIPART_OVERHEAD_BYTES
 from service.api.jobs import make_router as jobs_router
 from service.errors import ERROR_CODES, OCRError
@@ -160,6 +162,8 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     app.include_router(health_router(ctx))
     app.include_router(ocr_router(ctx))
+    app.include_router(openai_router(ctx))
+    app.include_router(adapters_router(ctx))
     app.include_router(jobs_router(ctx))
     app.include_router(ui_router(ctx))
     for extend in ctx.extras.get("routers", []):

