@@ -14,6 +14,7 @@ the published numbers.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -49,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2
-    return importlib.import_module(module).main(rest) or 0
+    entry = importlib.import_module(module).main
+    if inspect.signature(entry).parameters:
+        return entry(rest) or 0
+    sys.argv = [f"python -m loadtest {' '.join(argv[: len(argv) - len(rest)])}", *rest]  # main() reads sys.argv
+    return entry() or 0
 
 
 if __name__ == "__main__":

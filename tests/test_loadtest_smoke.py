@@ -58,6 +58,25 @@ def test_headless_runner_writes_sane_summary(embedded_url, tmp_path):
     assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_open_loop_sends_the_seeded_poisson_arrivals(embedded_url):
+    """Open loop: exactly the arrivals of the seeded Poisson process before the end are sent, whatever the latency
+    (each is answered or, if still running at the end, cancelled)."""
+    import asyncio
+    import random
+
+    rate, duration = 2.0, 3.0
+    rng, t, expected = random.Random(7), 0.0, 0
+    while (t := t + rng.expovariate(rate)) < duration:
+        expected += 1
+    target = run.OCRTarget(task_override="text")
+    requests = run.build_requests(target, run.WORKLOADS["id_card"], docs_per_job=1)
+    step = asyncio.run(run.run_open(embedded_url, target, requests, rate, duration, warmup_s=0.0, seed=7))
+    assert len(step.samples) + step.cancelled == expected
+    assert all(s.ok for s in step.samples)
+    summary = step.summary(slo_ms=None)
+    assert summary["mode"] == "open" and summary["level"] == rate and summary["errors"] == 0
+
+
 def test_goodput_and_error_rates_count_the_window():
     samples = [run.Sample(0.0, 0.5, 200, True), run.Sample(0.2, 2.0, 200, True),  # ok, ok but slow
                run.Sample(1.0, 0.1, 429, False, "rate_limited"), run.Sample(1.5, 0.1, 500, False, "internal_error"),
@@ -75,7 +94,8 @@ def test_locust_file_runs_headless(embedded_url, tmp_path):
     env = {**os.environ, "OCR_LOADTEST_WORKLOAD": "id_card", "OCR_LOADTEST_DOCS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--host", embedded_url,
-         "--headless", "-u", "1", "-r", "1", "-t", "8s", "--stop-timeout", "120", "--csv", str(tmp_path / "locust"), "--only-summary"],
+         "--headless", "-u", "1", "-r", "1", "-t", "8s", "--stop-timeout", "120", "--csv", str(tmp_path / "locust"),
+         "--only-summary"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     with (tmp_path / "locust_stats.csv").open() as fh:

@@ -82,9 +82,9 @@ class _BodyTooLarge(Exception):
 
 
 class DrainGate:
-    """Counts HTTP requests in `ctx.in_flight` (the drain waits for 0). While `ctx.draining`, requests that would
-    start new work (POST, PUT, PATCH, DELETE) get 503 `shutting_down` with Retry-After; reads (GET/HEAD: probes,
-    metrics, job polling) are still answered."""
+    """Counts requests that do work (POST, PUT, PATCH, DELETE) in `ctx.in_flight`; the drain waits for 0. While
+    `ctx.draining`, new ones get 503 `shutting_down` with Retry-After; reads (GET/HEAD: probes, metrics, job polling,
+    long-lived event streams) are still answered and not waited for."""
 
     NEW_WORK = {"POST", "PUT", "PATCH", "DELETE"}
 
@@ -93,10 +93,10 @@ class DrainGate:
         self.ctx = ctx
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("method") not in self.NEW_WORK:
             await self.app(scope, receive, send)
             return
-        if self.ctx.draining and scope.get("method") in self.NEW_WORK:
+        if self.ctx.draining:
             await _send_error(send, OCRError("shutting_down", "this instance is shutting down; retry",
                                              headers={"Retry-After": "1"}))
             return

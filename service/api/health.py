@@ -24,7 +24,7 @@ def make_router(ctx: AppContext) -> APIRouter:
                 responses={503: {"description": "Not ready: engine unavailable, or draining before shutdown."}})
     async def readyz():
         if ctx.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining", "in_flight": ctx.in_flight}, status_code=503)
         started = time.perf_counter()
         try:
             await asyncio.wait_for(ctx.engine.check_health(), READY_TIMEOUT_S)
@@ -32,7 +32,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         except Exception as exc:  # any failure means not ready; the reason class is safe to show
             return JSONResponse({"status": "unavailable", "reason": type(exc).__name__}, status_code=503)
         return {"status": "ready", "engine": info.name, "model": info.model,
-                "check_ms": round((time.perf_counter() - started) * 1000, 1)}
+                "check_ms": round((time.perf_counter() - started) * 1000, 1), "in_flight": ctx.in_flight}
 
     @router.get("/v1/models", summary="Base model and LoRA adapters (OpenAI format)")
     async def models():

