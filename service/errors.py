@@ -61,6 +61,10 @@ class OCRError(Exception):
     def body(self) -> dict:
         return {"error": {"code": self.code, "message": self.message}}
 
+    def __reduce__(self):
+        # Exceptions pickle as cls(*args); ours needs its fields to cross Ray (engine replica → ingress)
+        return (type(self), (self.code, self.message, self.headers))
+
 
 def openapi_error_responses(*statuses: int) -> dict[int, dict]:
     """OpenAPI `responses` entries (for route decorators) for the given statuses, or all documented ones: each lists

@@ -63,24 +63,25 @@ def plan_for_vlm(
 ) -> ImagePlan:
     """Downscale (never upscale) until image tokens + prompt + `max_tokens` fit `max_model_len`.
 
-    If even the smallest image leaves less than `max_tokens` of room, the output budget shrinks instead.
+    Shrinking stops where the processor would upscale the image back (area min_pixels): below that the token count
+    no longer falls. If even that image leaves less than `max_tokens` of room, the output budget shrinks instead.
     """
     room = max_model_len - prompt_overhead - max_tokens
-    min_tokens = image_tokens_for(FACTOR, FACTOR, min_pixels, max_pixels)
-    if room < min_tokens:
-        max_tokens = max(1, max_model_len - prompt_overhead - min_tokens)
-        room = max_model_len - prompt_overhead - max_tokens
-    # The processor caps area at max_pixels; the context caps it at roughly room tokens × 32².
+    # the processor upscales anything smaller than min_pixels, so a smaller image saves no tokens
+    min_scale = min(1.0, math.sqrt(min_pixels / (width * height)))
     scale = 1.0
     w, h = width, height
     for _ in range(64):
-        if image_tokens_for(h, w, min_pixels, max_pixels) <= room:
+        tokens = image_tokens_for(h, w, min_pixels, max_pixels)
+        if tokens <= room or scale <= min_scale:
             break
         # tokens ≈ area/1024: shrink the area by the excess ratio, then a little more per retry
-        excess = image_tokens_for(h, w, min_pixels, max_pixels) / room
-        scale *= min(0.98, 1 / math.sqrt(excess))
+        step = min(0.98, 1 / math.sqrt(tokens / room)) if room > 0 else 0.0
+        scale = max(min_scale, scale * step)
         w, h = max(1, round(width * scale)), max(1, round(height * scale))
     tokens = image_tokens_for(h, w, min_pixels, max_pixels)
+    if tokens + prompt_overhead + max_tokens > max_model_len:
+        max_tokens = max(1, max_model_len - prompt_overhead - tokens)
     return ImagePlan(width=w, height=h, scale=w / width if scale < 1 else 1.0, image_tokens=tokens, max_tokens=max_tokens)
 
 

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.context import AppContext
-from service.errors import OCRError
+from service.errors import OCRError, openapi_error_responses
 
 
 class AdapterInfo(BaseModel):
@@ -52,14 +52,16 @@ async def adapter_status(ctx: AppContext) -> list[dict[str, Any]]:
 def make_router(ctx: AppContext) -> APIRouter:
     router = APIRouter(tags=["adapters"])
 
-    @router.get("/v1/adapters", response_model=AdapterList, summary="LoRA adapters and whether they are loaded")
+    @router.get("/v1/adapters", response_model=AdapterList, summary="LoRA adapters and whether they are loaded",
+                responses=openapi_error_responses(401, 403, 503))
     async def list_adapters(request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
         data = [AdapterInfo(name=item["name"], loaded=item["loaded"],
                             allowed=principal.may_use_adapter(item["name"])) for item in await adapter_status(ctx)]
         return AdapterList(data=data)
 
-    @router.post("/v1/adapters/{name}/load", response_model=AdapterList, summary="Load an adapter (admin)")
+    @router.post("/v1/adapters/{name}/load", response_model=AdapterList, summary="Load an adapter (admin)",
+                 responses=openapi_error_responses())
     async def load_adapter(name: str, request: Request):
         require_admin(ctx, request)
         raw = await request.body()
@@ -72,7 +74,8 @@ def make_router(ctx: AppContext) -> APIRouter:
         await ctx.engine.load_adapter(name, body.path)
         return AdapterList(data=[AdapterInfo(**item) for item in await adapter_status(ctx)])
 
-    @router.post("/v1/adapters/{name}/unload", response_model=AdapterList, summary="Unload an adapter (admin)")
+    @router.post("/v1/adapters/{name}/unload", response_model=AdapterList, summary="Unload an adapter (admin)",
+                 responses=openapi_error_responses())
     async def unload_adapter(name: str, request: Request):
         require_admin(ctx, request)
         await ctx.engine.unload_adapter(name)

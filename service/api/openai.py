@@ -31,7 +31,7 @@ from service.api.context import AppContext
 from service.api.ocr import admit, prepare_decoded_page, rate_limit_cost
 from service.api.protocol import OCRRequest
 from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
-from service.errors import OCRError
+from service.errors import OCRError, openapi_error_responses
 from service.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -249,7 +249,8 @@ async def _stream(ctx: AppContext, engine_request: EngineRequest, frame, final_f
 def make_router(ctx: AppContext) -> APIRouter:
     router = APIRouter(tags=["openai"])
 
-    @router.post("/v1/chat/completions", summary="OpenAI chat completions: one image (data URL) + instruction")
+    @router.post("/v1/chat/completions", summary="OpenAI chat completions: one image (data URL) + instruction",
+                 responses=openapi_error_responses())
     async def chat_completions(request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
         req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request))
@@ -293,7 +294,8 @@ def make_router(ctx: AppContext) -> APIRouter:
         }], "usage": usage(result)}
         return JSONResponse(body, headers=headers)
 
-    @router.post("/v1/completions", summary="OpenAI completions: instruction as `prompt`, base64 `image` field")
+    @router.post("/v1/completions", summary="OpenAI completions: instruction as `prompt`, base64 `image` field",
+                 responses=openapi_error_responses())
     async def completions(request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
         req: CompletionRequest = _parse(CompletionRequest, await _read_json(request))

