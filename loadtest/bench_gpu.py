@@ -161,7 +161,8 @@ def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int,
                output_tokens: int) -> dict[str, float]:
     """Forward FLOPs of one page (multiply-add = 2 FLOPs), from the model config:
     ViT: patch embedding, per layer q/k/v/o + MLP (2·N·params) and full attention over the image's N patches
-    (4·N²·d), patch merger; LM prefill over image + text tokens (2·T·params + causal attention 2·T²·h·hd per layer)
+    (4·N²·d), patch merger; LM prefill over image + text tokens (2·T·params + causal attention 2·T²·h·hd per
+    layer)
     and decode (per token 2·params + attention over the context + the LM head)."""
     from service.admission.budget import image_tokens_for, smart_resize
 
@@ -173,10 +174,13 @@ def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int,
     d, dff = v["hidden_size"], v["intermediate_size"]
     vit_layer = 2 * n * (4 * d * d + 2 * d * dff) + 4 * n * n * d
     merged = n // (merge * merge)
-    vit = (2 * n * 3 * patch * patch * d + v["num_hidden_layers"] * vit_layer
-           + 2 * merged * (merge * merge * d * 2 * d + 2 * d * 4 * d + 4 * d * v.get("text_hidden_size", t["hidden_size"])))
+    # merger: 2×2 conv d→2d, 1×1 conv 2d→4d, linear 4d→text hidden, per merged token
+    text_hidden = v.get("text_hidden_size", t["hidden_size"])
+    merger = 2 * merged * (merge * merge * d * 2 * d + 2 * d * 4 * d + 4 * d * text_hidden)
+    vit = 2 * n * 3 * patch * patch * d + v["num_hidden_layers"] * vit_layer + merger
     dt, layers = t["hidden_size"], t["num_hidden_layers"]
-    heads, kv, hd = t["num_attention_heads"], t["num_key_value_heads"], t.get("head_dim") or dt // t["num_attention_heads"]
+    heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
+    hd = t.get("head_dim") or dt // heads
     layer_params = dt * heads * hd * 2 + dt * kv * hd * 2 + 3 * dt * t["intermediate_size"]
     lm_head = dt * t["vocab_size"]
     prompt = image_tokens_for(height, width, min_px, max_px) + text_tokens
@@ -368,7 +372,8 @@ class Bench:
             engine_args["chat_template"] = str(template)
         self.results["parts"]["raw"] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
         started = time.monotonic()
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(int(self.settings.get("kv_cache_memory_gb") or 1))} if self.args.tiny else {}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(int(self.settings.get("kv_cache_memory_gb") or 1))} \
+            if self.args.tiny else {}
         proc, url = start_vllm_server(self.kit, engine_args, log_path=self.out / "logs" / "vllm-serve.log",
                                       served_model_name=SERVED_NAME, ready_timeout_s=max(60.0, self.left()),
                                       extra_env=env)
@@ -589,7 +594,7 @@ class Bench:
         except Exception:
             self.results.setdefault("errors", {})["analysis"] = traceback.format_exc()
         self.save()
-        paths = run.write_outputs(self.out, self.steps, {"title": "GPU benchmark" if not self.args.tiny
+        run.write_outputs(self.out, self.steps, {"title": "GPU benchmark" if not self.args.tiny
                                                          else "GPU benchmark dry run (tiny, CPU)"},
                                   plot=bool(self.steps))
         (self.out / "summary.json").unlink(missing_ok=True)  # results.json holds everything

@@ -40,8 +40,9 @@ _EN_WORDS = (
     "insurance policy claim coverage premium receipt transfer bank branch currency interest loan agreement terms"
 ).split()
 _ZH_CHARS = (
-    "发票号码金额合计客户订单日期地址服务数量单价税率总计账户余额合同编号付款方式银行转账收据保险保单理赔部门经理"
-    "项目计划年度季度收入利润审批签字公司名称电话邮箱备注说明产品规格型号仓库物流运输交货条款协议甲乙双方责任"
+    "发票号码金额合计客户订单日期地址服务数量单价税率总计账户余额合同编号付款方式银行转账"
+    "收据保险保单理赔部门经理项目计划年度季度收入利润审批签字公司名称电话邮箱备注说明"
+    "产品规格型号仓库物流运输交货条款协议甲乙双方责任"
 )
 _GIVEN = ("Alice", "Wei", "Maria", "Kenji", "Fatima", "Lukas", "Mei", "Omar", "Sofia", "Chen")
 _FAMILY = ("Zhang", "Smith", "Garcia", "Tanaka", "Müller", "Li", "Haddad", "Rossi", "Wang", "Novak")
@@ -111,7 +112,8 @@ def _words(rng: random.Random, chars: int, lang: Language) -> list[str]:
         if use_zh:
             token = "".join(rng.choice(_ZH_CHARS) for _ in range(rng.randint(2, 4)))
         elif rng.random() < 0.12:
-            token = f"{rng.randint(1, 99999):,}" if rng.random() < 0.5 else f"{rng.randint(1, 9999)}.{rng.randint(0, 99):02d}"
+            token = (f"{rng.randint(1, 99999):,}" if rng.random() < 0.5
+                     else f"{rng.randint(1, 9999)}.{rng.randint(0, 99):02d}")
         else:
             token = rng.choice(_EN_WORDS)
             if rng.random() < 0.1:
@@ -185,7 +187,8 @@ def id_card_fields(seed: int, lang: Language = "mixed") -> dict[str, str]:
     }
 
 
-def render_id_card(*, seed: int = 0, lang: Language = "mixed", size: tuple[int, int] = ID_CARD_SIZE) -> GeneratedDocument:
+def render_id_card(*, seed: int = 0, lang: Language = "mixed",
+                   size: tuple[int, int] = ID_CARD_SIZE) -> GeneratedDocument:
     """A card with a header, a photo box and labelled fields (the values are returned as `fields`)."""
     width, height = size
     values = id_card_fields(seed, lang)
