@@ -599,7 +599,8 @@ class Bench:
                                   plot=bool(self.steps))
         (self.out / "summary.json").unlink(missing_ok=True)  # results.json holds everything
         (self.out / "report.md").write_text(self.report())
-        self.log(f"wrote {self.out}/results.json, summary.csv, report.md" + (", summary.png" if self.steps else ""))
+        png = ", summary.png" if (self.out / "summary.png").exists() else ""
+        self.log(f"wrote {self.out}/results.json, summary.csv, report.md{png}")
 
 
 def _delta(a: float | None, b: float | None) -> float | None:

@@ -65,7 +65,10 @@ def load_font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     path = font_file()
     if path is not None:
         return ImageFont.truetype(path, size)
-    return ImageFont.load_default(size=size)
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: only the small bitmap font
+        return ImageFont.load_default()
 
 
 def _can_render_cjk() -> bool:

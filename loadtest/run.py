@@ -28,7 +28,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -68,6 +68,13 @@ class Request:
 # --- targets ------------------------------------------------------------------------------------------------------
 
 
+class Answer(NamedTuple):
+    ok: bool
+    error: str | None = None  # stable error code (our API) or http_<status>
+    output_tokens: int | None = None
+    engine_ms: float | None = None  # engine time the server reports (our API: timings_ms.engine)
+
+
 class Target(Protocol):
     name: str
     path: str
@@ -76,8 +83,8 @@ class Target(Protocol):
 
     def body(self, job: Job, document: GeneratedDocument) -> bytes: ...
 
-    def check(self, status: int, payload: bytes) -> tuple[bool, str | None, int | None]:
-        """(ok, error code, output tokens) of one answer."""
+    def check(self, status: int, payload: bytes) -> "Answer":
+        """What one answer says."""
 
 
 @dataclass
@@ -104,15 +111,16 @@ class OCRTarget:
             payload["max_tokens"] = job.max_tokens
         return json.dumps(payload).encode()
 
-    def check(self, status: int, payload: bytes) -> tuple[bool, str | None, int | None]:
+    def check(self, status: int, payload: bytes) -> "Answer":
         try:
             data = json.loads(payload)
         except ValueError:
-            return False, f"http_{status}", None
+            return Answer(False, f"http_{status}")
         if status == 200:
-            return True, None, (data.get("usage") or {}).get("output_tokens")
+            return Answer(True, None, (data.get("usage") or {}).get("output_tokens"),
+                          (data.get("timings_ms") or {}).get("engine"))
         error = (data.get("error") or {}).get("code") if isinstance(data, dict) else None
-        return False, error or f"http_{status}", None
+        return Answer(False, error or f"http_{status}")
 
 
 @dataclass
@@ -120,11 +128,13 @@ class OpenAIChatTarget:
     """Raw vLLM OpenAI server: `/v1/chat/completions`, the image as an `image_url` data URL, then the prompt text.
 
     `prompts` maps a task to the exact text our service sends; `fixed_output` asks vLLM for exactly max_tokens
-    tokens (`ignore_eos` + `min_tokens`), matching the service's `bench_fixed_output_tokens`."""
+    tokens (`ignore_eos` + `min_tokens`), matching the service's `bench_fixed_output_tokens`; `logprobs` asks for
+    the sampled tokens' logprobs, as our engine does for confidences."""
 
     model: str
     prompts: dict[str, str]
     fixed_output: bool = True
+    logprobs: bool = True  # our engine asks vLLM for each sampled token's logprob (confidence): same work here
     name: str = "raw-vllm"
     path: str = "/v1/chat/completions"
 
@@ -144,16 +154,18 @@ class OpenAIChatTarget:
         }
         if self.fixed_output:
             payload.update(ignore_eos=True, min_tokens=max_tokens)
+        if self.logprobs:
+            payload.update(logprobs=True, top_logprobs=0)
         return json.dumps(payload).encode()
 
-    def check(self, status: int, payload: bytes) -> tuple[bool, str | None, int | None]:
+    def check(self, status: int, payload: bytes) -> "Answer":
         try:
             data = json.loads(payload)
         except ValueError:
-            return False, f"http_{status}", None
+            return Answer(False, f"http_{status}")
         if status == 200:
-            return True, None, (data.get("usage") or {}).get("completion_tokens")
-        return False, f"http_{status}", None
+            return Answer(True, None, (data.get("usage") or {}).get("completion_tokens"))
+        return Answer(False, f"http_{status}")
 
 
 def build_requests(target: Target, jobs: Iterable[Job], docs_per_job: int = 4, chars: int = MEDIUM_CHARS,
@@ -183,6 +195,7 @@ class Sample:
     ok: bool
     error: str | None = None
     output_tokens: int | None = None
+    engine_ms: float | None = None  # the server's own engine time (our API reports it in timings_ms)
 
     @property
     def end_s(self) -> float:
@@ -216,8 +229,8 @@ async def _send(session, url: str, target: Target, request: Request, t0: float, 
             payload = await resp.read()
             status = resp.status
         latency = time.perf_counter() - start
-        ok, error, out_tokens = target.check(status, payload)
-        return Sample(start - t0, latency, status, ok, error, out_tokens)
+        answer = target.check(status, payload)
+        return Sample(start - t0, latency, status, answer.ok, answer.error, answer.output_tokens, answer.engine_ms)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # connection refused/reset, client timeout: an error of this request
@@ -319,6 +332,7 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
         if not s.ok:
             codes[s.error or "unknown"] = codes.get(s.error or "unknown", 0) + 1
     out_tokens = sum(s.output_tokens or 0 for s in ok)
+    engine_ms = [s.engine_ms for s in ok if s.engine_ms is not None]
     within_slo = sum(1 for ms in latencies_ms if slo_ms is None or ms <= slo_ms)
 
     def r(x: float | None, nd: int = 1) -> float | None:
@@ -344,6 +358,8 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
         "latency_ms_p95": r(percentile(latencies_ms, 95)),
         "latency_ms_p99": r(percentile(latencies_ms, 99)),
         "latency_ms_max": r(max(latencies_ms) if latencies_ms else None),
+        # our API only: the engine's share of each answer; latency p50 minus this = the stack around the engine
+        "engine_ms_p50": r(percentile(engine_ms, 50)),
         "error_rate": r(errors / len(counted), 4) if counted else None,
         "rate_429": r(limited / len(counted), 4) if counted else None,
         "slo_ms": slo_ms,
@@ -410,8 +426,11 @@ def write_outputs(out_dir: Path, steps: list[dict[str, Any]], meta: dict[str, An
             if "skipped" not in step:
                 writer.writerow(step)
     if plot:
-        paths["png"] = out_dir / "summary.png"
-        plot_steps(steps, paths["png"], title=meta.get("title", "load test"))
+        try:
+            plot_steps(steps, out_dir / "summary.png", title=meta.get("title", "load test"))
+            paths["png"] = out_dir / "summary.png"
+        except ImportError:  # matplotlib missing (e.g. the GPU machine): the JSON and CSV hold the numbers
+            print("summary.png skipped: matplotlib is not installed", flush=True)
     return paths
 
 
