@@ -163,7 +163,8 @@ def bench_embedded(out: Path, rounds: int, docs: int, block_s: float) -> dict[st
         "direct_docs_per_s": round(1000 / direct_ms, 3),
         "api_docs_per_s": round(1000 / api_ms, 3),
         "sequential_ratio": round(direct_ms / api_ms, 3),
-        "api_c2": {"docs_per_s": api_c2["docs_per_s"], "ratio": round((api_c2["docs_per_s"] or 0) * direct_ms / 1000, 3),
+        "api_c2": {"docs_per_s": api_c2["docs_per_s"],
+                   "ratio": round((api_c2["docs_per_s"] or 0) * direct_ms / 1000, 3),
                    "p50_ms": api_c2["latency_ms_p50"], "engine_ms_p50": api_c2["engine_ms_p50"],
                    "errors": api_c2["errors"]},
     }

@@ -114,6 +114,18 @@ async def test_lora_changes_only_its_requests_when_batched(vllm_url):
         assert same_output(tokens_of(resp.json()), expected), (model, tokens_of(resp.json()), expected)
 
 
+def test_repetition_guard_aborts_a_looping_generation(vllm_url):
+    """The engine's generation loop feeds the RepetitionGuard and aborts the sequence once the tail loops."""
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": small_document().b64(), "task": "text", "max_tokens": 64},
+                      timeout=300)
+    assert resp.status_code == 200, resp.text
+    result = resp.json()
+    assert result["finish_reason"] == "repetition"
+    assert result["usage"]["output_tokens"] < 64  # aborted early, not run to max_tokens
+    assert 0 < len(result["text"]) < 48 + 8 * 4  # cut where the loop began
+    assert result["warnings"]
+
+
 def loaded_adapters(url: str) -> set[str]:
     resp = httpx.get(url + "/v1/adapters", timeout=60)
     assert resp.status_code == 200, resp.text
