@@ -553,12 +553,14 @@ class Bench:
         if matmul:
             lines += [f"Measured matmul: **{matmul['tflops']} TFLOP/s** ({matmul['dtype']}, {matmul['n']}³, "
                       f"{matmul['device']})", ""]
-        lines += ["| workload | server | concurrency | docs/s | p50 ms | p95 ms | p99 ms | goodput | errors |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| workload | server | concurrency | docs/s | p50 ms | p95 ms | p99 ms | goodput | errors | "
+                  "output tokens (mean) | engine p50 ms (service) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in self.steps:
             part, workload = s["label"].split("/", 1)
             lines.append(f"| {workload} | {part} | {s['level']:g} | {s['docs_per_s']} | {s['latency_ms_p50']} | "
-                         f"{s['latency_ms_p95']} | {s['latency_ms_p99']} | {s['goodput']} | {s['errors']} |")
+                         f"{s['latency_ms_p95']} | {s['latency_ms_p99']} | {s['goodput']} | {s['errors']} | "
+                         f"{s.get('output_tokens_mean')} | {s.get('engine_ms_p50') or '-'} |")
         analysis = r.get("analysis", {})
         if analysis:
             lines += ["", "| workload | service/raw docs/s per concurrency | service − raw p50 ms | raw peak | "
