@@ -22,7 +22,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_schema": (400, "The extraction JSON Schema is not a valid schema or is too large."),
     "invalid_pdf": (400, "The PDF is corrupt, encrypted or cannot be rasterised within limits."),
     "too_many_pages": (413, "The document has more pages than allowed."),
-    "webhook_unsupported": (400, "Jobs do not deliver webhooks; follow `GET /v1/jobs/{id}/events` (SSE) instead."),
+    "invalid_webhook": (400, "The job's `webhook` URL is refused: not http(s), has credentials, or resolves to a "
+                        "non-public address that is not in the allow-list."),
     "unauthorized": (401, "Missing or invalid API key."),
     "forbidden": (403, "The API key may not use this endpoint or adapter."),
     "unknown_adapter": (404, "The named LoRA adapter does not exist."),

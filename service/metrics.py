@@ -105,6 +105,9 @@ METRICS: tuple[MetricSpec, ...] = (
                ("task",), CONFIDENCE_BUCKETS),
     MetricSpec("ocr_adapter_requests", "counter", "ingress", "Successful pages served by a LoRA adapter.",
                ("adapter",)),
+    MetricSpec("ocr_webhook_deliveries", "counter", "ingress",
+               "Job webhook deliveries by final outcome: delivered | redirect | http_error | timeout | unreachable | "
+               "error.", ("outcome",)),
     MetricSpec("ocr_latency_slo_seconds", "gauge", "ingress",
                "The p95 end-to-end latency objective (settings.latency_slo_s), for dashboards and alerts."),
     MetricSpec("ocr_autoscaling_config", "gauge", "ingress",
@@ -326,6 +329,11 @@ class IngressMetrics(_Metrics):
             self._inc("ocr_repetition_cutoffs", task=task)
         if adapter:
             self._inc("ocr_adapter_requests", adapter=adapter)
+
+    # after a job
+    def webhook_delivered(self, outcome: str) -> None:
+        """One job webhook delivery ended (outcomes: service/jobs/webhook.py OUTCOMES)."""
+        self._inc("ocr_webhook_deliveries", outcome=outcome)
 
 
 class EngineMetrics(_Metrics):

@@ -188,6 +188,23 @@ class Settings(BaseSettings):
     pdf_render_memory_mb: int = Field(
         1024, ge=256, description="PDF sandbox: address-space limit of the PDFium subprocess in MiB (PDF bombs)."
     )
+    webhook_allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Job webhooks: host names, IP addresses or CIDR networks that may receive webhooks although they "
+        "are loopback/private/link-local (explicit allow-list, JSON list). Empty: only public addresses.",
+    )
+    webhook_timeout_s: float = Field(
+        10.0, gt=0, le=120, description="Job webhooks: time limit of the DNS lookup at POST and of each delivery "
+        "attempt (connect, send, read the answer)."
+    )
+    webhook_max_attempts: int = Field(
+        3, ge=1, le=10, description="Job webhooks: delivery attempts; retried on 5xx, 408, 429, connection errors and "
+        "timeouts, with backoff 1 s doubling up to 30 s."
+    )
+    webhook_secret: SecretStr | None = Field(
+        None, description="Job webhooks: HMAC-SHA256 key; when set each delivery carries `X-OCR-Timestamp` and "
+        "`X-OCR-Signature: sha256=<hex HMAC of timestamp + '.' + body>`."
+    )
 
     # --- Ray Serve deployment --------------------------------------------------------------------------------------
     engine_num_gpus: float | None = Field(
@@ -245,6 +262,11 @@ class Settings(BaseSettings):
     @classmethod
     def _upper_formats(cls, value: list[str]) -> list[str]:
         return [fmt.upper() for fmt in value]
+
+    @field_validator("webhook_allowed_hosts")
+    @classmethod
+    def _normalise_webhook_hosts(cls, value: list[str]) -> list[str]:
+        return [host.strip().lower().strip("[]").rstrip(".") for host in value if host.strip()]
 
     @field_validator("vllm_extra_args", mode="before")
     @classmethod

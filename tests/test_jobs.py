@@ -204,7 +204,7 @@ async def test_events_resume_after_last_event_id():
 
 
 @pytest.mark.parametrize("fields, files, status, code", [
-    ({"task": "text", "webhook": "http://169.254.169.254/latest"}, None, 400, "webhook_unsupported"),
+    ({"task": "text", "webhook": "http://169.254.169.254/latest"}, None, 400, "invalid_webhook"),
     ({"task": "nope"}, None, 400, "unknown_task"),
     ({"task": "text"}, [], 400, "empty_image"),
     ({"task": "text"}, [("file", ("a.pdf", b"%PDF-1.4", "application/pdf")),

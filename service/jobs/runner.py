@@ -25,8 +25,9 @@ from service.api.ocr import (PreparedPage, admit, build_response, parse_engine_o
                              rate_limit_cost, record_page)
 from service.api.protocol import OCRRequest
 from service.errors import OCRError
-from service.jobs.model import HEARTBEAT_S, ErrorInfo, JobRecord, PageResult
+from service.jobs.model import HEARTBEAT_S, TERMINAL, ErrorInfo, JobRecord, JobView, PageResult
 from service.jobs.store import JobStore
+from service.jobs.webhook import WebhookSender, WebhookTarget
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,13 @@ class JobRunner:
         self.ctx = ctx
         self.store = store
         self._tasks: dict[str, asyncio.Task] = {}
+        self.webhooks = WebhookSender(ctx.settings, ctx.metrics)
 
     # --- control ------------------------------------------------------------------------------------------------
-    def start(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal) -> None:
-        task = asyncio.create_task(self._run(record, req, source, principal), name=f"job-{record.id}")
+    def start(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal,
+              webhook: WebhookTarget | None = None) -> None:
+        task = asyncio.create_task(self._run_then_notify(record, req, source, principal, webhook),
+                                   name=f"job-{record.id}")
         self._tasks[record.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
 
@@ -73,6 +77,24 @@ class JobRunner:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     # --- one job ------------------------------------------------------------------------------------------------
+    async def _run_then_notify(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal,
+                               webhook: WebhookTarget | None) -> None:
+        try:
+            await self._run(record, req, source, principal)
+        finally:
+            if webhook is not None:  # in the background: a slow or failing receiver never holds up the job
+                self.webhooks.send(webhook, record.id, lambda: self._final_view(record.id))
+
+    async def _final_view(self, job_id: str) -> dict[str, Any] | None:
+        """The webhook body: what `GET /v1/jobs/{id}` answers, without page previews (no document bytes)."""
+        state = await self.store.get(job_id)
+        if state is None or state[0].status not in TERMINAL:
+            log.warning("job %s: no final state to send to its webhook", job_id)
+            return None
+        record, done, failed = state
+        pages = [page.model_copy(update={"image": None}) for page in await self.store.pages(job_id)]
+        return JobView.of(record, done, failed, pages).model_dump(mode="json")
+
     async def _run(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal) -> None:
         job_id = record.id
         now = time.time()
