@@ -13,3 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
 )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the vLLM-engine tests last and together: they share one vLLM deployment per session, and every other
+    module's app redeploy in between would cost an engine restart (stable sort: file order is kept otherwise)."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)

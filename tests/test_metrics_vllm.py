@@ -32,7 +32,7 @@ def page_b64() -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def drive_adapter_and_repetition(url: str, lora_dir, tiny_model_dir) -> None:
+def drive_adapter_and_repetition(url: str, lora_dir, tiny_model_dir, prom) -> None:
     """Traffic for the LoRA panels (a new adapter: one load, then cache hits) and the repetition panel (the random
     model loops on this page; the engine's guard cuts it, as in test_vllm_engine)."""
     from tests.fixtures.vllm import write_lora_adapter
@@ -40,10 +40,18 @@ def drive_adapter_and_repetition(url: str, lora_dir, tiny_model_dir) -> None:
 
     write_lora_adapter(lora_dir / "metrics-lora", tiny_model_dir, seed=99)
     image = page_b64()
-    for _ in range(3):
+    # counters need two scraped values to have a rate: keep sending adapter requests (the first loads the adapter,
+    # the next ones hit the cache) until the dashboard's hit-ratio query has a value
+    ratio = "sum(rate(ocr_adapter_cache_hits_total[1m])) / sum(rate(ocr_adapter_requests_total[1m]))"
+    deadline = time.monotonic() + 120
+    while True:
         resp = httpx.post(url + "/v1/ocr", json={"image": image, "task": "text", "max_tokens": 8,
                                                  "adapter": "metrics-lora"}, timeout=300)
         assert resp.status_code == 200, resp.text
+        if [v for v in prom.query(ratio) if math.isfinite(float(v["value"][1]))]:
+            break
+        assert time.monotonic() < deadline, "adapter metrics never reached Prometheus"
+        time.sleep(1.5)
     resp = httpx.post(url + "/v1/ocr", json={"image": small_document().b64(), "task": "text", "max_tokens": 64},
                       timeout=300)
     assert resp.status_code == 200, resp.text
@@ -67,7 +75,7 @@ def test_vllm_panels_return_data(vllm_metrics_url, prometheus_server, lora_dir, 
     prom.wait_for("sum(vllm:generation_tokens_total)")
     prom.wait_for("sum(ocr_image_tokens_total)")
     round_of_traffic()
-    drive_adapter_and_repetition(vllm_metrics_url, lora_dir, tiny_model_dir)
+    drive_adapter_and_repetition(vllm_metrics_url, lora_dir, tiny_model_dir, prom)
     prom.wait_for("sum(ocr_adapter_loads_total)")
     prom.wait_for("sum(ocr_repetition_cutoffs_total)")
     time.sleep(2)

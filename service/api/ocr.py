@@ -73,6 +73,12 @@ OCR_OPENAPI_EXTRA = {
 }
 
 
+# `stream: true` answers 200 with Server-Sent Events instead of the JSON body (docs/API.md, "Streaming")
+SSE_RESPONSE = {200: {"description": "The OCR result (JSON), or with `stream: true` a `text/event-stream` of "
+                                     "`delta`/`line` events and a final `result` (or `error`) event.",
+                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
 async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, bytes]:
     """Parse a JSON or multipart body into the request model and the raw file bytes."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -260,7 +266,8 @@ def make_router(ctx: AppContext) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/ocr", response_model=OCRResponse, openapi_extra=OCR_OPENAPI_EXTRA,
-                 responses=openapi_error_responses(), summary="Recognise one image (or single-page PDF)")
+                 responses={**openapi_error_responses(), **SSE_RESPONSE},
+                 summary="Recognise one image (or single-page PDF)")
     async def ocr(request: Request):
         started = time.perf_counter()
         principal = ctx.authenticator.authenticate(request.headers)
