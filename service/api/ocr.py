@@ -76,7 +76,10 @@ OCR_OPENAPI_EXTRA = {
 # `stream: true` answers 200 with Server-Sent Events instead of the JSON body (docs/API.md, "Streaming")
 SSE_RESPONSE = {200: {"description": "The OCR result (JSON), or with `stream: true` a `text/event-stream` of "
                                      "`delta`/`line` events and a final `result` (or `error`) event.",
-                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                      "content": {"text/event-stream": {"schema": {
+                          "type": "object", "required": ["event", "data"],
+                          "properties": {"event": {"type": "string", "enum": ["delta", "line", "result", "error"]},
+                                         "data": {"type": "string", "description": "JSON of the event."}}}}}}}
 
 
 async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, bytes]:
