@@ -183,20 +183,25 @@ class ServeEngineClient:
             return self._handle.options(multiplexed_model_id=request.adapter)
         return self._handle
 
+    @staticmethod
+    def _retry_or_raise(exc: Exception, attempt: int, request_id: str, *, may_retry: bool) -> None:
+        """Return (= retry once) when the replica's process died under the first attempt: OCR is idempotent and the
+        router has dropped the dead replica, so the retry goes to another one. Otherwise raise the stable API error
+        (or the original exception when it is not a known engine-side failure)."""
+        if attempt == 1 and may_retry and replica_died(exc):
+            log.warning("engine replica died under request %s (%s); retrying once", request_id, type(exc).__name__)
+            return
+        err = translate_engine_error(exc)
+        if err is None:
+            raise exc
+        raise err from None
+
     async def generate(self, request: EngineRequest) -> EngineResult:
         for attempt in (1, 2):
             try:
                 return await self._for(request).generate.remote(request)
             except Exception as exc:
-                if attempt == 1 and replica_died(exc):
-                    # OCR is idempotent: the router has dropped the dead replica, so this goes to another one
-                    log.warning("engine replica died under request %s (%s); retrying once",
-                                request.request_id, type(exc).__name__)
-                    continue
-                err = translate_engine_error(exc)
-                if err is None:
-                    raise
-                raise err from None
+                self._retry_or_raise(exc, attempt, request.request_id, may_retry=True)
         raise AssertionError("unreachable")
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
@@ -208,15 +213,8 @@ class ServeEngineClient:
                     yielded = True
                     yield delta
                 return
-            except Exception as exc:
-                if attempt == 1 and not yielded and replica_died(exc):  # retry only while nothing was sent
-                    log.warning("engine replica died under stream %s (%s); retrying once",
-                                request.request_id, type(exc).__name__)
-                    continue
-                err = translate_engine_error(exc)
-                if err is None:
-                    raise
-                raise err from None
+            except Exception as exc:  # retry only while nothing was sent
+                self._retry_or_raise(exc, attempt, request.request_id, may_retry=not yielded)
 
     async def info(self) -> EngineInfo:
         return await self._handle.info.remote()
