@@ -6,6 +6,8 @@
     python -m loadtest bench cpu ...      CPU benchmarks: embedded engine vs rapidocr, ingress overhead, vLLM-CPU
     python -m loadtest bench gpu ...      H200 benchmark: raw vLLM vs our service vs HF generate (--tiny: CPU dry run)
     python -m loadtest bench limiter ...  rate-limiter decisions/s (loadtest/bench_limiter.py)
+    python -m loadtest bench preprocess   image preprocessing images/s per backend and thread count (no GPU)
+    python -m loadtest bench encoder ...  the vision tower alone on the GPU: ms per image, kernels (vLLM + CUDA)
 
 `python -m loadtest CMD --help` lists each command's options; docs/BENCHMARKS.md has the exact commands behind
 the published numbers.
@@ -26,6 +28,8 @@ BENCHMARKS = {
     "cpu": "loadtest.bench_cpu",
     "gpu": "loadtest.bench_gpu",
     "limiter": "loadtest.bench_limiter",
+    "preprocess": "loadtest.bench_preprocess",
+    "encoder": "loadtest.profile_encoder",
 }
 
 

@@ -1,5 +1,5 @@
 """GPU benchmark, one process, one invocation: HunyuanOCR-1.5 shape with random weights through
-(i) raw `vllm serve` (OpenAI server), (ii) our service (Ray Serve ingress + vLLM engine deployment) and
+(i) raw `vllm serve` (OpenAI server; `raw_stock`: the same with vLLM's own preprocessing defaults), (ii) our service (Ray Serve ingress + vLLM engine deployment) and
 (iii) HF transformers `generate` — same documents, same engine arguments, same run.
 
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
@@ -34,14 +34,22 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from loadtest import run
 from loadtest.common import (environment_facts, service_prompt, start_service, start_vllm_server)
 from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
 
 SERVED_NAME = "hunyuan-ocr"
-ALL_PARTS = ("matmul", "raw", "service", "hf")
+ALL_PARTS = ("matmul", "raw", "raw_stock", "service", "hf")
+# vLLM's own request histograms, scraped from the raw server around each step: where the time of a request went
+VLLM_HISTOGRAMS = {
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "first_token": "vllm:time_to_first_token_seconds",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,8 @@ def service_settings(args: argparse.Namespace, kit: Path, max_level: int) -> dic
         "graceful_shutdown_timeout_s": 5,
         "log_level": "WARNING",
         "vllm_extra_args": dict(args.engine_arg),
+        "image_processor_backend": args.image_processor_backend,
+        "preprocess_workers": args.preprocess_workers,
     }
     if args.tiny:
         settings.update(engine_num_gpus=0, kv_cache_memory_gb=args.kv_cache_gb or 1.0)
@@ -264,7 +274,7 @@ class Bench:
 
     def plan(self, parts: list[str]) -> None:
         """Print the expected time of each part; steps that would not fit the budget are skipped at run time."""
-        servers = sum(p in ("raw", "service") for p in parts)
+        servers = sum(p in ("raw", "raw_stock", "service") for p in parts)
         estimate = 20 + servers * (self.startup_guess_s() + self.estimate_server_s()) + \
             (self.hf_guess_s() if "hf" in parts else 0)
         self.results["plan"] = {"parts": parts, "step_s": self.args.step_s, "max_step_s": self.args.max_step_s,
@@ -280,7 +290,8 @@ class Bench:
         self.results["parts"]["matmul"] = result
         self.log(f"matmul: {result['tflops']} TFLOP/s {result['dtype']} on {result['device']}")
 
-    async def _sweep_server(self, part: str, url: str, target: run.Target, reserve_s: float) -> None:
+    async def _sweep_server(self, part: str, url: str, target: run.Target, reserve_s: float,
+                            scrape: Callable[[], dict[str, tuple[float, float]]] | None = None) -> None:
         part_result = self.results["parts"].setdefault(part, {})
         for w in self.workloads:
             requests = run.build_requests(target, [w.job], docs_per_job=self.args.docs, documents=self.documents)
@@ -306,10 +317,13 @@ class Bench:
                     self.results["skipped"].append(f"{label} concurrency {level} (time budget)")
                     self.log(f"{label} concurrency {level}: skipped (time budget)")
                     continue
+                before = await asyncio.to_thread(scrape) if scrape else None
                 step = await run.run_closed(url, target, requests, level, duration, warmup,
                                             self.args.request_timeout_s, label,
                                             min_answers=2 if self.args.tiny else 0)  # CPU dry run: slow but shown
                 summary = step.summary(w.slo_ms)
+                if before is not None:  # the step's whole duration (warm-up included): vLLM's view of a request
+                    summary["vllm_mean_ms"] = histogram_means(before, await asyncio.to_thread(scrape))
                 entry["steps"].append(summary)
                 self.steps.append(summary)
                 run.print_step(summary)
@@ -359,32 +373,45 @@ class Bench:
         """Seconds the parts after `part` are expected to need, kept free while `part` runs."""
         reserve = 0.0
         for later in parts[parts.index(part) + 1:]:
-            if later in ("raw", "service"):
+            if later in ("raw", "raw_stock", "service"):
                 reserve += self.startup_guess_s() + self.estimate_server_s()
             elif later == "hf":
                 reserve += self.hf_guess_s()
         return reserve
 
-    def part_raw(self, parts: list[str]) -> None:
+    def part_raw(self, parts: list[str], stock: bool = False) -> None:
+        """Raw `vllm serve` with our engine's arguments; `stock`: with vLLM's own preprocessing defaults instead
+        (PIL image processor, one renderer thread), as the reference numbers in shared/gpu/README.md ran."""
+        name = "raw_stock" if stock else "raw"
         engine_args = raw_engine_args(self.settings)
+        engine_args.pop("disable_log_stats", None)  # its /metrics histograms say where each request's time went
+        if stock:
+            engine_args.pop("renderer_num_workers", None)
+            engine_args.pop("mm_processor_kwargs", None)
         template = raw_chat_template(self.kit, self.out)
         if template is not None:
             engine_args["chat_template"] = str(template)
-        self.results["parts"]["raw"] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
+        if not stock and _server_requires_mm_kwargs_trust():
+            engine_args["trust_request_mm_kwargs"] = True  # newer vLLM: per-request mm_processor_kwargs opt-in
+        self.results["parts"][name] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
         started = time.monotonic()
         env = {"VLLM_CPU_KVCACHE_SPACE": str(int(self.settings.get("kv_cache_memory_gb") or 1))} \
             if self.args.tiny else {}
-        proc, url = start_vllm_server(self.kit, engine_args, log_path=self.out / "logs" / "vllm-serve.log",
+        proc, url = start_vllm_server(self.kit, engine_args, log_path=self.out / "logs" / f"vllm-serve-{name}.log",
                                       served_model_name=SERVED_NAME, ready_timeout_s=max(60.0, self.left()),
                                       extra_env=env)
         try:
-            self.results["parts"]["raw"]["startup_s"] = round(time.monotonic() - started, 1)
-            self.log(f"raw vllm serve ready in {time.monotonic() - started:.0f}s at {url}")
-            target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts)
-            asyncio.run(self._sweep_server("raw", url, target, self.reserve_after("raw", parts)))
+            self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
+            self.log(f"{name} vllm serve ready in {time.monotonic() - started:.0f}s at {url}")
+            # vLLM 0.26 pins HunyuanOCR's processor to PIL over the server's mm_processor_kwargs; a request's own
+            # mm_processor_kwargs win (our engine sends the same)
+            kwargs = None if stock else {"backend": self.settings["image_processor_backend"]}
+            target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts, mm_processor_kwargs=kwargs)
+            asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts),
+                                           scrape=lambda: vllm_histograms(url)))
         finally:
             proc.stop(timeout_s=30)
-            self.log("raw vllm serve stopped")
+            self.log(f"{name} vllm serve stopped")
 
     def part_service(self, parts: list[str]) -> None:
         self.results["parts"].setdefault("service", {})
@@ -490,7 +517,7 @@ class Bench:
             if tflops:
                 entry["roofline_docs_per_s"] = float(f"{tflops / flops['total_tflop']:.4g}")
             peaks = {}
-            for name in ("raw", "service"):
+            for name in ("raw", "raw_stock", "service"):
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
                 if steps:
                     best = max(steps, key=lambda s: s["docs_per_s"] or 0)
@@ -554,13 +581,13 @@ class Bench:
             lines += [f"Measured matmul: **{matmul['tflops']} TFLOP/s** ({matmul['dtype']}, {matmul['n']}³, "
                       f"{matmul['device']})", ""]
         lines += ["| workload | server | concurrency | docs/s | p50 ms | p95 ms | p99 ms | goodput | errors | "
-                  "output tokens (mean) | engine p50 ms (service) |",
+                  "output tokens (mean) | where the time went (ms) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in self.steps:
             part, workload = s["label"].split("/", 1)
             lines.append(f"| {workload} | {part} | {s['level']:g} | {s['docs_per_s']} | {s['latency_ms_p50']} | "
                          f"{s['latency_ms_p95']} | {s['latency_ms_p99']} | {s['goodput']} | {s['errors']} | "
-                         f"{s.get('output_tokens_mean')} | {s.get('engine_ms_p50') or '-'} |")
+                         f"{s.get('output_tokens_mean')} | {breakdown(s)} |")
         analysis = r.get("analysis", {})
         if analysis:
             lines += ["", "| workload | service/raw docs/s per concurrency | service − raw p50 ms | raw peak | "
@@ -583,6 +610,9 @@ class Bench:
                 f"decode {a['flops_per_doc']['decode_tflop']}, total {a['flops_per_doc']['total_tflop']} "
                 f"({a['flops_per_doc']['patches']} patches, {a['flops_per_doc']['prompt_tokens']} prompt tokens)"
                 for name, a in analysis.items())]
+        if r.get("vllm_plugin"):
+            lines += ["", "Our vLLM plugin's patches per server log: " + "; ".join(
+                f"{name}: {', '.join(patches) or 'none'}" for name, patches in r["vllm_plugin"].items())]
         if r["skipped"]:
             lines += ["", "Skipped: " + "; ".join(r["skipped"])]
         if r.get("errors"):
@@ -590,7 +620,17 @@ class Bench:
                                                  for k, v in r["errors"].items())]
         return "\n".join(lines) + "\n"
 
+    def plugin_lines(self) -> None:
+        """Which of our vLLM plugin's patches each server ran with (its log lines), for the report."""
+        found = {}
+        for log in sorted((self.out / "logs").glob("*.log")):
+            lines = {line.split("ocr-service vLLM plugin: ", 1)[1].strip()
+                     for line in log.read_text(errors="replace").splitlines() if "ocr-service vLLM plugin: " in line}
+            found[log.stem] = sorted(lines)
+        self.results["vllm_plugin"] = found
+
     def finish(self) -> None:
+        self.plugin_lines()
         try:
             self.analyse()
         except Exception:
@@ -605,13 +645,67 @@ class Bench:
         self.log(f"wrote {self.out}/results.json, summary.csv, report.md{png}")
 
 
+def _server_requires_mm_kwargs_trust() -> bool:
+    """vLLM ≥ 0.3x refuses a request's mm_processor_kwargs unless the server runs with --trust-request-mm-kwargs
+    (0.26, the GPU build, has no such flag and accepts them)."""
+    try:
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    except ImportError:
+        return False
+    return any(f.name == "trust_request_mm_kwargs" for f in dataclasses.fields(FrontendArgs))
+
+
+def breakdown(step: dict[str, Any]) -> str:
+    """Where a step's request time went: our API's p50 timings, or vLLM's mean histograms (raw servers)."""
+    if step.get("engine_ms_p50") is not None:
+        stages = step.get("stages_ms_p50") or {}
+        parts = [f"engine {step['engine_ms_p50']:g}"] + [f"{k} {v:g}" for k, v in stages.items() if v is not None]
+        return "p50: " + ", ".join(parts)
+    means = step.get("vllm_mean_ms") or {}
+    if means:
+        return "vLLM mean: " + ", ".join(f"{k} {v:g}" for k, v in means.items())
+    return "-"
+
+
+def vllm_histograms(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each of vLLM's request histograms, summed over label sets, from the server's /metrics."""
+    import urllib.request
+
+    wanted = {f"{metric}_{kind}": (name, i) for name, metric in VLLM_HISTOGRAMS.items()
+              for i, kind in enumerate(("sum", "count"))}
+    totals = {name: [0.0, 0.0] for name in VLLM_HISTOGRAMS}
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        metric = line.split("{", 1)[0].split(" ", 1)[0]
+        if metric in wanted:
+            name, i = wanted[metric]
+            totals[name][i] += float(line.rsplit(" ", 1)[1])
+    return {name: (v[0], v[1]) for name, v in totals.items()}
+
+
+def histogram_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    """Mean milliseconds per request between two scrapes."""
+    out = {}
+    for name, (total, count) in after.items():
+        b_total, b_count = before.get(name, (0.0, 0.0))
+        if count > b_count:
+            out[name] = round((total - b_total) / (count - b_count) * 1000, 1)
+    return out
+
+
 def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 1)
 
 
 def preflight(parts: list[str]) -> dict[str, str]:
     """Parts whose Python dependencies are missing (name → reason); the run skips them and says so."""
-    needs = {"matmul": ["torch"], "raw": ["vllm", "aiohttp"], "service": ["vllm", "ray", "aiohttp", "fastapi",
+    needs = {"matmul": ["torch"], "raw": ["vllm", "aiohttp"], "raw_stock": ["vllm", "aiohttp"], "service": ["vllm", "ray", "aiohttp", "fastapi",
                                                                            "pydantic_settings"],
              "hf": ["torch", "transformers"]}
     missing = {}
@@ -647,6 +741,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--dtype", default=None, help="default bfloat16 (tiny: float32)")
+    p.add_argument("--image-processor-backend", default="torchvision", choices=["pil", "torchvision"],
+                   help="HF image processor backend of both servers (raw_stock: vLLM's pinned pil)")
+    p.add_argument("--preprocess-workers", type=int, default=8,
+                   help="image preprocessing threads of both servers (vLLM renderer_num_workers; raw_stock: 1)")
     p.add_argument("--ingress-replicas", type=int, default=None, help="service ingress replicas (default 4; tiny 1)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="extra vLLM engine argument for BOTH servers, e.g. max_num_batched_tokens=16384 "
@@ -715,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench.part_matmul()
             elif part == "raw":
                 bench.part_raw(parts)
+            elif part == "raw_stock":
+                bench.part_raw(parts, stock=True)
             elif part == "service":
                 bench.part_service(parts)
             elif part == "hf":

@@ -68,11 +68,15 @@ class Request:
 # --- targets ------------------------------------------------------------------------------------------------------
 
 
+BREAKDOWN_STAGES = ("decode", "queue", "preprocess", "first_token", "parse")
+
+
 class Answer(NamedTuple):
     ok: bool
     error: str | None = None  # stable error code (our API) or http_<status>
     output_tokens: int | None = None
     engine_ms: float | None = None  # engine time the server reports (our API: timings_ms.engine)
+    stages_ms: dict[str, float] | None = None  # our API: the rest of timings_ms (queue, preprocess, first_token…)
 
 
 class Target(Protocol):
@@ -117,8 +121,9 @@ class OCRTarget:
         except ValueError:
             return Answer(False, f"http_{status}")
         if status == 200:
-            return Answer(True, None, (data.get("usage") or {}).get("output_tokens"),
-                          (data.get("timings_ms") or {}).get("engine"))
+            timings = data.get("timings_ms") or {}
+            return Answer(True, None, (data.get("usage") or {}).get("output_tokens"), timings.get("engine"),
+                          {k: v for k, v in timings.items() if k in BREAKDOWN_STAGES})
         error = (data.get("error") or {}).get("code") if isinstance(data, dict) else None
         return Answer(False, error or f"http_{status}")
 
@@ -135,6 +140,7 @@ class OpenAIChatTarget:
     prompts: dict[str, str]
     fixed_output: bool = True
     logprobs: bool = True  # our engine asks vLLM for each sampled token's logprob (confidence): same work here
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. the image processor backend
     name: str = "raw-vllm"
     path: str = "/v1/chat/completions"
 
@@ -156,6 +162,8 @@ class OpenAIChatTarget:
             payload.update(ignore_eos=True, min_tokens=max_tokens)
         if self.logprobs:
             payload.update(logprobs=True, top_logprobs=0)
+        if self.mm_processor_kwargs:
+            payload["mm_processor_kwargs"] = self.mm_processor_kwargs
         return json.dumps(payload).encode()
 
     def check(self, status: int, payload: bytes) -> "Answer":
@@ -196,6 +204,7 @@ class Sample:
     error: str | None = None
     output_tokens: int | None = None
     engine_ms: float | None = None  # the server's own engine time (our API reports it in timings_ms)
+    stages_ms: dict[str, float] | None = None
 
     @property
     def end_s(self) -> float:
@@ -230,7 +239,8 @@ async def _send(session, url: str, target: Target, request: Request, t0: float, 
             status = resp.status
         latency = time.perf_counter() - start
         answer = target.check(status, payload)
-        return Sample(start - t0, latency, status, answer.ok, answer.error, answer.output_tokens, answer.engine_ms)
+        return Sample(start - t0, latency, status, answer.ok, answer.error, answer.output_tokens, answer.engine_ms,
+                      answer.stages_ms)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # connection refused/reset, client timeout: an error of this request
@@ -360,6 +370,9 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
         "latency_ms_max": r(max(latencies_ms) if latencies_ms else None),
         # our API only: the engine's share of each answer; latency p50 minus this = the stack around the engine
         "engine_ms_p50": r(percentile(engine_ms, 50)),
+        # and where that time went (p50 per stage: queue before the engine, preprocess and first token inside it)
+        "stages_ms_p50": {stage: r(percentile(values, 50)) for stage in BREAKDOWN_STAGES
+                          if (values := [s.stages_ms[stage] for s in ok if s.stages_ms and stage in s.stages_ms])},
         "error_rate": r(errors / len(counted), 4) if counted else None,
         "rate_429": r(limited / len(counted), 4) if counted else None,
         "slo_ms": slo_ms,

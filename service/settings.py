@@ -109,6 +109,15 @@ class Settings(BaseSettings):
         False, description="vLLM prefix caching (off: HunyuanOCR crashed on prefix-cache hits before vLLM PR #53456)."
     )
     enforce_eager: bool = Field(False, description="Disable CUDA graphs / compile (faster start, slower steps).")
+    image_processor_backend: Literal["pil", "torchvision"] = Field(
+        "torchvision", description="Backend of HunyuanOCR's HF image processor in vLLM (`mm_processor_kwargs`). vLLM "
+        "0.26 pins `pil`; `torchvision` packs patches identically (checked by `bench preprocess`) at 2-3x the "
+        "images/s, and this per-image CPU work caps a replica's throughput (docs/BENCHMARKS.md)."
+    )
+    preprocess_workers: int = Field(
+        8, ge=1, le=64, description="Threads that decode and preprocess images for the engine (vLLM "
+        "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (preprocess time per page)."
+    )
     max_output_tokens: int = Field(
         2048, ge=1, description="Default and upper bound of output tokens per request (budgeted with the image)."
     )

@@ -92,6 +92,9 @@ def test_task_end_to_end(client, validate, page_b64, task):
     assert "".join(t["token"] for t in tokens) == body["raw"]["text"]
     assert 0 < body["confidence"] <= 1
     assert body["confidence"] == pytest.approx(geometric_mean([t["logprob"] for t in tokens]), rel=1e-5)
+    # the engine's own breakdown: image preprocessing, then the first output, both inside the engine's time
+    timings = body["timings_ms"]
+    assert 0 < timings["preprocess"] < timings["first_token"] <= timings["engine"] < timings["total"]
 
 
 def test_field_confidences_follow_the_formula(client, validate, page_b64):

@@ -256,6 +256,12 @@ async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tu
     return req, page, headers
 
 
+def engine_stage_timings(result: EngineResult) -> dict[str, float]:
+    """The parts of `engine` the engine measured itself (VLM engines): preprocess and time to first token."""
+    stages = {"preprocess": result.preprocess_ms, "first_token": result.first_token_ms}
+    return {name: ms for name, ms in stages.items() if ms is not None}
+
+
 def record_page(ctx: AppContext, req: OCRRequest, page: PreparedPage, result: EngineResult,
                 confidence: float | None, timings_ms: dict[str, float]) -> None:
     """Per-page metrics of a successful page (stage latencies, tokens, confidence, repetition cut-offs)."""
@@ -299,6 +305,7 @@ def make_router(ctx: AppContext) -> APIRouter:
             "decode": page.decode_ms,
             "queue": max(0.0, engine_total_ms - result.engine_ms),
             "engine": result.engine_ms,
+            **engine_stage_timings(result),
             "parse": parse_ms,
             "total": (time.perf_counter() - started) * 1000,
         }
@@ -339,7 +346,7 @@ async def _stream_events(ctx: AppContext, req: OCRRequest, page: PreparedPage, m
         assert final is not None, "engine stream ended without a final result"
         final = guard_result(final, ctx.settings)  # a loop that closed between two guard checks
         parsed = parse_engine_output(req.task, final, page.geometry, fields=req.fields, schema=req.json_schema)
-        timings = {"decode": page.decode_ms, "engine": final.engine_ms,
+        timings = {"decode": page.decode_ms, "engine": final.engine_ms, **engine_stage_timings(final),
                    "total": (time.perf_counter() - started) * 1000}
         response = build_response(request_id=page.engine_request.request_id, model=req.adapter or model,
                                   task=req.task, result=final, geom=page.geometry, parsed=parsed,

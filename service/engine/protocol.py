@@ -52,6 +52,8 @@ class EngineResult(BaseModel):
     image_tokens: int = 0
     output_tokens: int = 0
     engine_ms: float = 0.0
+    preprocess_ms: float | None = Field(None, description="Image decode + model preprocessing, inside engine_ms.")
+    first_token_ms: float | None = Field(None, description="Engine start to first output, inside engine_ms.")
     rendered_prompt: str | None = Field(None, description="Full prompt as sent to the model (VLM engines; debug).")
 
 

@@ -2,7 +2,8 @@
 
 Request flow inside the engine: EngineRequest (image already resized to the budget by the ingress, user text already
 sanitised) → chat-template prompt with the image token → SamplingParams (greedy, sampled-token logprobs, optional
-min_tokens/ignore_eos/guided JSON) → AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the text stream (aborts
+min_tokens/ignore_eos/guided JSON) → vLLM's renderer (tokenizer + HF image processor, in its thread pool) →
+AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the text stream (aborts
 a looping generation) → EngineResult with the raw text, per-token logprobs and token counts.
 
 Prompt form: HunyuanOCR's prompt carries the BARE image token `<｜hy_place▁holder▁no▁102｜>`; vLLM's native model
@@ -122,7 +123,9 @@ class VLLMEngine:
             enable_prefix_caching=s.enable_prefix_caching,
             enforce_eager=s.enforce_eager or on_cpu,
             limit_mm_per_prompt={"image": 1},
-            mm_processor_cache_gb=0,
+            mm_processor_cache_gb=0,  # every page is new; the cache also forbids more than one renderer thread
+            mm_processor_kwargs={"backend": s.image_processor_backend},
+            renderer_num_workers=s.preprocess_workers,
             distributed_executor_backend="uni",
             # stats go only to the stat loggers passed in start() (Ray metrics); no periodic stats log lines
             disable_log_stats=True,
@@ -152,7 +155,12 @@ class VLLMEngine:
         self._special_ids = set(self._tokenizer.added_tokens_decoder)
         self._wrap_image_token = _needs_wrapped_image_token()
         # vllm:* metrics through Ray's metrics agent when metrics are on (service.metrics.vllm_stat_loggers)
-        self._llm = AsyncLLM.from_engine_args(self.engine_args(), stat_loggers=vllm_stat_loggers(self.settings))
+        # usage context of an API server: vLLM's defaults (e.g. max_num_batched_tokens 8192 on H100/H200-class
+        # GPUs, 2048 elsewhere) are then the ones `vllm serve` gets, not the 2048 of a bare engine
+        from vllm.usage.usage_lib import UsageContext
+
+        self._llm = AsyncLLM.from_engine_args(self.engine_args(), usage_context=UsageContext.OPENAI_API_SERVER,
+                                              stat_loggers=vllm_stat_loggers(self.settings))
         log.info("vLLM engine ready in %.1fs (model %s, image token %s)", time.perf_counter() - started,
                  self.settings.served_model_name, "wrapped" if self._wrap_image_token else "bare")
 
@@ -309,21 +317,31 @@ class VLLMEngine:
         llm = self._require_llm()
         lora = await self._lora_request(request.adapter) if request.adapter else None
         prompt = self.render_prompt(request.prompt)
+        started = time.perf_counter()
         image = await asyncio.to_thread(_png_to_image, request.image_png)
+        # the renderer's thread pool runs the HF image processor: off this event loop and several pages at once
+        # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
+        # the backend goes with each request too: vLLM 0.26's HunyuanOCR processor info pins `pil` over the engine's
+        # mm_processor_kwargs, but a request's own kwargs win
+        (engine_input,) = await llm.renderer.render_cmpl_async([{
+            "prompt": prompt, "multi_modal_data": {"image": image},
+            "mm_processor_kwargs": {"backend": self.settings.image_processor_backend}}])
+        preprocess_ms = (time.perf_counter() - started) * 1000
+        first_token_ms: float | None = None
         params = self.sampling_params(request)
         guard = _make_guard(self.settings)
         request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"  # vLLM needs unique ids, even for retries
-        started = time.perf_counter()
         text_parts: list[str] = []
         tokens: list[TokenLogprob] | None = [] if request.logprobs else None
         prompt_ids: list[int] = []
         output_tokens = 0
         finish_reason = "stop"
         completed = False
-        generator = llm.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, request_id,
-                                 lora_request=lora)
+        generator = llm.generate(engine_input, params, request_id, lora_request=lora)
         try:
             async for output in generator:
+                if first_token_ms is None:
+                    first_token_ms = (time.perf_counter() - started) * 1000
                 if output.prompt_token_ids and not prompt_ids:
                     prompt_ids = list(output.prompt_token_ids)
                 completion = output.outputs[0]
@@ -365,7 +383,8 @@ class VLLMEngine:
         yield EngineDelta(final=EngineResult(
             text=text, tokens=tokens, finish_reason=finish_reason, prompt_tokens=len(prompt_ids),
             image_tokens=image_tokens if prompt_ids else 0, output_tokens=output_tokens,
-            engine_ms=(time.perf_counter() - started) * 1000, rendered_prompt=prompt,
+            engine_ms=(time.perf_counter() - started) * 1000, preprocess_ms=preprocess_ms,
+            first_token_ms=first_token_ms, rendered_prompt=prompt,
         ))
 
 

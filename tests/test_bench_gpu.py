@@ -1,0 +1,114 @@
+"""The GPU benchmark's own arithmetic and plumbing, checked on CPU: the roofline FLOPs per page, vLLM's request
+histograms scraped over HTTP, the raw client's request body, and the preprocessing benchmark's backend check on the
+real HF image processors (the GPU run's numbers rest on these)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from loadtest import bench_gpu, run
+from loadtest.documents import make_documents
+
+# vLLM's exposition format (0.26 / 0.32): one histogram per label set; two label sets must add up
+METRICS_BEFORE = """# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="hunyuan-ocr"} 1.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="hunyuan-ocr"} 2.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="hunyuan-ocr"} 4.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="hunyuan-ocr"} 0.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="hunyuan-ocr"} 4.0
+vllm:num_requests_running{engine="0",model_name="hunyuan-ocr"} 0.0
+"""
+METRICS_AFTER = """vllm:e2e_request_latency_seconds_sum{engine="0",model_name="hunyuan-ocr"} 5.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="hunyuan-ocr"} 8.0
+vllm:e2e_request_latency_seconds_sum{engine="1",model_name="hunyuan-ocr"} 1.0
+vllm:e2e_request_latency_seconds_count{engine="1",model_name="hunyuan-ocr"} 2.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="hunyuan-ocr"} 0.6
+vllm:request_queue_time_seconds_count{engine="0",model_name="hunyuan-ocr"} 10.0
+"""
+
+
+@pytest.fixture()
+def metrics_server():
+    pages = [METRICS_BEFORE, METRICS_AFTER]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = pages[0].encode() if self.path == "/metrics" else b""
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", pages
+    server.shutdown()
+
+
+def test_vllm_histograms_give_mean_ms_per_request_between_scrapes(metrics_server):
+    url, pages = metrics_server
+    before = bench_gpu.vllm_histograms(url)
+    assert before["e2e"] == (2.0, 4.0) and before["queue"] == (0.0, 4.0) and before["prefill"] == (0.0, 0.0)
+    pages.pop(0)
+    after = bench_gpu.vllm_histograms(url)
+    assert after["e2e"] == (6.0, 10.0)  # both engines' label sets
+    means = bench_gpu.histogram_means(before, after)
+    # 6 new requests took 4 s in all; 6 queued 0.6 s; histograms without new requests are left out
+    assert means == {"e2e": pytest.approx(666.7, abs=0.1), "queue": pytest.approx(100.0)}
+    assert bench_gpu.vllm_histograms("http://127.0.0.1:1") == {}  # nothing listening: no numbers, no crash
+
+
+def test_breakdown_names_where_the_time_went():
+    service = {"engine_ms_p50": 300.0, "stages_ms_p50": {"queue": 2.0, "preprocess": 30.5, "first_token": 120.0}}
+    assert bench_gpu.breakdown(service) == "p50: engine 300, queue 2, preprocess 30.5, first_token 120"
+    raw = {"engine_ms_p50": None, "vllm_mean_ms": {"e2e": 250.0, "queue": 1.5}}
+    assert bench_gpu.breakdown(raw) == "vLLM mean: e2e 250, queue 1.5"
+    assert bench_gpu.breakdown({}) == "-"
+
+
+def test_roofline_flops_of_an_a4_page_match_the_hand_count():
+    """HunyuanOCR-1.5 shape, A4 1240×1754: 110×78 = 8,580 patches. Hand count (multiply-add = 2 FLOPs):
+    ViT per layer 2·N·(4d² + 2·d·dff) + 4·N²·d with d 1152, dff 4304, 27 layers ≈ 16.2 TFLOP (+ patch embedding
+    and merger); LM ≈ 17.3 M parameters per layer × 24, so prefill over ≈ 2.2 k tokens is 2·T·415 M ≈ 1.85 TFLOP
+    plus causal attention 2·T²·2048·24 ≈ 0.49; decode 512 tokens ≈ 512 × (0.83 + 0.25 LM head + attention) GFLOP."""
+    from service.modelkit import model_config, preprocessor_config
+
+    flops = bench_gpu.page_flops(model_config(tiny=False), preprocessor_config(), 1240, 1754, text_tokens=20,
+                                 output_tokens=512)
+    assert flops["patches"] == 8580
+    assert flops["prompt_tokens"] == 110 // 2 * (78 // 2 + 1) + 2 + 20
+    assert 16.0 < flops["vit_tflop"] < 16.6
+    assert 2.2 < flops["prefill_tflop"] < 2.45
+    assert 0.75 < flops["decode_tflop"] < 0.85
+    assert flops["total_tflop"] == pytest.approx(flops["vit_tflop"] + flops["prefill_tflop"] + flops["decode_tflop"])
+
+
+def test_raw_client_sends_the_processor_backend_per_request():
+    doc = make_documents("id_card", 1)[0]
+    target = run.OpenAIChatTarget(model="m", prompts={"extract": "x"}, mm_processor_kwargs={"backend": "torchvision"})
+    body = json.loads(target.body(run.Job("id_card", "extract", 64), doc))
+    assert body["mm_processor_kwargs"] == {"backend": "torchvision"}
+    assert body["ignore_eos"] is True and body["min_tokens"] == body["max_tokens"] == 64 and body["logprobs"] is True
+    stock = run.OpenAIChatTarget(model="m", prompts={"extract": "x"})
+    assert "mm_processor_kwargs" not in json.loads(stock.body(run.Job("id_card", "extract", 64), doc))
+
+
+def test_both_image_processor_backends_pack_patches_identically(tmp_path):
+    """The reason the service may run the torchvision backend where vLLM 0.26 pins PIL: the same pixels out."""
+    from loadtest.bench_preprocess import packing_check
+    from service.modelkit import write_kit
+
+    write_kit(tmp_path, tiny=False, weights=False)
+    for kind in ("id_card", "a4"):
+        check = packing_check(tmp_path, make_documents(kind, 1)[0].png)
+        assert check["same_shape"]
+        assert check["exact_size_max_abs_diff"] < 1e-5, check
+        assert check["resized_mean_abs_diff"] < 1e-3, check  # interpolation rounding only
