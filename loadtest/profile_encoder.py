@@ -4,9 +4,10 @@ batch of images, with the top CUDA kernels of one A4 page, on the real vLLM mode
     python -m loadtest bench encoder --out results/encoder          # on the GPU machine (vLLM + CUDA)
 
 vLLM 0.26's HunyuanOCR tower runs every layer once per image (a Python loop over the images of a step), so the
-numbers are given for batches of 1, 4 and 8 images: if ms/image falls with the batch, the step's images would gain
-from one varlen pass. The `batched` variant runs that pass here (all images' patches through each layer at once,
-attention kept per image with cu_seqlens) to measure what it would buy. Achieved TFLOP/s uses the same FLOP count
+numbers are given for batches of 1, 4 and 8 images: if ms/image falls with the batch, the step's images gain from
+one varlen pass. `batched` is that pass, our plugin's replacement forward (`vllm_plugin.batched_vision_forward`: all
+images' patches through each layer at once, attention kept per image with cu_seqlens); `vllm` is vLLM's own
+forward (the plugin keeps it as `per_image_forward`). Achieved TFLOP/s uses the same FLOP count
 as the roofline (`bench_gpu.page_flops`). Writes OUT/encoder.json.
 """
 
@@ -23,32 +24,16 @@ from typing import Any
 GRIDS = {"id_card": (1, 40, 62), "a4": (1, 110, 78)}  # 1000×630 and 1240×1754 after smart_resize (patches of 16)
 
 
-def batched_forward(visual, x, grid_thw: list[list[int]]):
-    """The tower with all images in one pass per layer; attention per image through cu_seqlens (varlen)."""
-    import torch
-
-    hidden = visual.embeddings(x.to(device=visual.device, dtype=visual.dtype), grid_thw)
-    lengths = [int(h) * int(w) for _, h, w in grid_thw]
-    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(visual.device)
-    max_len = torch.tensor(max(lengths), dtype=torch.int32)
-    hidden = hidden.reshape(1, sum(lengths), -1)
-    for layer in visual.layers:
-        attn = layer.self_attn
-        qkv, _ = attn.qkv(layer.input_layernorm(hidden))
-        q, k, v = qkv.chunk(3, dim=-1)
-        out = attn.attn(q, k, v, cu_seqlens=cu, max_seqlen=max_len)
-        out, _ = attn.o_proj(out)
-        hidden = hidden + out
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    parts = hidden.split(lengths, dim=1)
-    return [visual.perceive(p.contiguous(), size=g[1:]).squeeze(0) for p, g in zip(parts, grid_thw)]
-
-
 def measure(model, vit_tflop: dict[str, float], repeats: int) -> dict[str, Any]:
     import torch
 
+    from service.engine.vllm_plugin import batched_vision_forward
+
     visual = model.visual
-    out: dict[str, Any] = {"dtype": str(visual.dtype), "runs": []}
+    # vLLM's own forward (a loop over images), also where our plugin already replaced it
+    per_image = getattr(type(visual), "per_image_forward", type(visual).forward)
+    out: dict[str, Any] = {"dtype": str(visual.dtype), "plugin_active": per_image is not type(visual).forward,
+                           "runs": []}
 
     def timed(fn) -> float:
         for _ in range(2):
@@ -67,22 +52,22 @@ def measure(model, vit_tflop: dict[str, float], repeats: int) -> dict[str, Any]:
             for n in (1, 4, 8):
                 grids = [list(grid)] * n
                 x = torch.randn(n * grid[1] * grid[2], 768, device="cuda", dtype=torch.float32)
-                for variant, fn in (("vllm", lambda: visual(x, grid_thw=grids)),
-                                    ("batched", lambda: batched_forward(visual, x, grids))):
+                for variant, fn in (("vllm", lambda: per_image(visual, x, grids)),
+                                    ("batched", lambda: batched_vision_forward(visual, x, grids))):
                     try:
                         ms = timed(fn)
                     except Exception as exc:  # the experiment must not cost the measured baseline
                         out.setdefault("errors", []).append(f"{variant} {kind}x{n}: {type(exc).__name__}: {exc}")
                         print(out["errors"][-1], flush=True)
                         continue
-                    per_image = ms / n
+                    ms_each = ms / n
                     out["runs"].append({"kind": kind, "images": n, "variant": variant, "ms": round(ms, 2),
-                                        "ms_per_image": round(per_image, 2),
-                                        "tflops": round(vit_tflop[kind] / (per_image / 1000), 1)})
+                                        "ms_per_image": round(ms_each, 2),
+                                        "tflops": round(vit_tflop[kind] / (ms_each / 1000), 1)})
                     print(out["runs"][-1], flush=True)
                 try:
-                    ref = visual(x, grid_thw=grids)
-                    alt = batched_forward(visual, x, grids)
+                    ref = per_image(visual, x, grids)
+                    alt = batched_vision_forward(visual, x, grids)
                     out.setdefault("batched_max_abs_diff", {})[f"{kind}x{n}"] = max(
                         float((a.float() - b.float()).abs().max()) for a, b in zip(ref, alt))
                 except Exception as exc:
@@ -90,7 +75,7 @@ def measure(model, vit_tflop: dict[str, float], repeats: int) -> dict[str, Any]:
         x = torch.randn(GRIDS["a4"][1] * GRIDS["a4"][2], 768, device="cuda", dtype=torch.float32)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
                                                 torch.profiler.ProfilerActivity.CPU]) as prof:
-            visual(x, grid_thw=[list(GRIDS["a4"])])
+            per_image(visual, x, [list(GRIDS["a4"])])
             torch.cuda.synchronize()
         out["a4_top_kernels"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70)
     return out

@@ -91,7 +91,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "(queued for a replica + running)."),
     MetricSpec("ocr_stage_duration_seconds", "histogram", "ingress",
                "Per-stage latency of successful pages: decode (admission CPU work), queue (waiting for an engine "
-               "replica), engine (inside the engine), parse.", ("task", "stage"), LATENCY_BUCKETS_S),
+               "replica), engine (inside the engine; the vLLM engine also reports preprocess: image decode + HF "
+               "processor, and first_token: engine start to first output, both inside engine), parse.",
+               ("task", "stage"), LATENCY_BUCKETS_S),
     MetricSpec("ocr_pages", "counter", "ingress", "Pages recognised; source = image | pdf.", ("task", "source")),
     MetricSpec("ocr_image_tokens", "counter", "ingress", "Image tokens sent to the model (VLM engines).", ("task",)),
     MetricSpec("ocr_request_image_tokens", "histogram", "ingress", "Image tokens per page (VLM engines).",

@@ -194,7 +194,7 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str
 
 def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine_name: str, request_id: str,
                          *, started: float | None = None, source: str = "image") -> PreparedPage:
-    """Budget, resize, re-encode and prompt an already decoded page (also used by jobs for rendered PDF pages)."""
+    """Budget, resize, re-encode (an upload that is already the right PNG goes on as it is) and prompt an already decoded page (also used by jobs for rendered PDF pages)."""
     s = ctx.settings
     started = time.perf_counter() if started is None else started
     task = TASKS[req.task]
@@ -207,7 +207,8 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
     image = resize_to(decoded.image, plan.width, plan.height)
     prompt = build_prompt(req, s) if engine_name != "embedded" else None
     engine_request = EngineRequest(
-        request_id=request_id, task=req.task, image_png=encode_png(image), width=plan.width, height=plan.height,
+        request_id=request_id, task=req.task, width=plan.width, height=plan.height,
+        image_png=decoded.png if decoded.png is not None and image is decoded.image else encode_png(image),
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
         repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s),
     )

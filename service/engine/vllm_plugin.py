@@ -181,6 +181,7 @@ def _patch_hunyuan_vision_batched() -> None:
         log.warning("ocr-service vLLM plugin: HunYuanVisionTransformer.forward changed; batched vision not applied")
         return
     setattr(batched_vision_forward, _PATCHED_MARK, True)
+    HunYuanVisionTransformer.per_image_forward = original  # kept for `bench encoder`'s side-by-side timing
     HunYuanVisionTransformer.forward = batched_vision_forward
     from vllm.logger import init_logger
 

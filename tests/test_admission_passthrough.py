@@ -1,0 +1,91 @@
+"""What the ingress hands the engine: the upload itself when it already is a bare RGB PNG (pixel chunks only) of
+exactly the pixels the model must see (no re-encode), a fresh PNG otherwise (resized, oriented, converted, carrying
+metadata or a trailing payload), and in every case bytes that decode to the admitted pixels. (The hostile-input
+suite checks the same for polyglots.)"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+from PIL import Image, PngImagePlugin
+
+from service.engine.mock import MockEngine
+from tests.fixtures.api_inprocess import make_client
+
+
+def png(image: Image.Image, **params) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", **params)
+    return buf.getvalue()
+
+
+def page(mode: str = "RGB", size=(800, 600)) -> Image.Image:
+    rng = np.random.default_rng(0)
+    channels = {"RGB": 3, "RGBA": 4}[mode]
+    return Image.fromarray(rng.integers(0, 255, (size[1], size[0], channels), dtype=np.uint8), mode)
+
+
+async def engine_bytes(upload: bytes, **settings) -> tuple[bytes, dict]:
+    engine = MockEngine()
+    async with make_client(engine, **settings) as client:
+        resp = await client.post("/v1/ocr", json={"image": base64.b64encode(upload).decode(), "task": "text"})
+    assert resp.status_code == 200, resp.text
+    request = engine.requests[-1]
+    return request.image_png, {"width": request.width, "height": request.height}
+
+
+def pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+async def test_an_rgb_png_at_its_budget_size_goes_on_unchanged():
+    image = page(size=(800, 608))  # multiples of 32 inside the pixel budget: no resize
+    upload = png(image, compress_level=9)
+    sent, size = await engine_bytes(upload)
+    assert sent == upload  # the very bytes: no re-encode
+    assert size == {"width": 800, "height": 608}
+    assert np.array_equal(pixels(sent), np.asarray(image))
+
+
+async def test_uploads_that_change_on_admission_are_re_encoded():
+    rgba = page("RGBA", size=(800, 608))
+    oriented = page(size=(800, 608))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° on display
+    big = Image.new("RGB", (3000, 2000), "white")  # over a 2048-token context: downscaled by the budget
+    big.paste((20, 30, 40), (100, 100, 2900, 300))
+    padded_info = PngImagePlugin.PngInfo()
+    padded_info.add_text("comment", "hello")  # any metadata chunk: the engine never gets the upload's extras
+    small = page(size=(320, 320))
+    cases = {
+        "rgba": (png(rgba), (800, 608)),
+        "exif orientation": (png(oriented, exif=exif), (608, 800)),
+        "resized": (png(big), None),
+        "padded": (png(small, pnginfo=padded_info), (320, 320)),
+        "trailing payload": (png(small) + b"PK\x03\x04 a zip after IEND", (320, 320)),
+    }
+    for name, (upload, expected_size) in cases.items():
+        sent, size = await engine_bytes(upload, **({"max_model_len": 2048} if name == "resized" else {}))
+        if name == "resized":
+            assert size["width"] < 3000 and size["height"] < 2000
+        assert sent != upload, name
+        decoded = Image.open(io.BytesIO(sent))
+        assert decoded.format == "PNG" and decoded.mode == "RGB", name
+        assert (decoded.width, decoded.height) == (size["width"], size["height"]), name
+        if expected_size:
+            assert decoded.size == expected_size, name
+        assert "comment" not in decoded.info, name
+    # RGBA is composited on white: the engine gets the admitted pixels, not the alpha channel
+    sent, _ = await engine_bytes(cases["rgba"][0])
+    alpha = np.asarray(rgba)[..., 3:].astype(np.float64) / 255
+    expected = np.asarray(rgba)[..., :3] * alpha + 255 * (1 - alpha)
+    assert np.abs(pixels(sent).astype(np.float64) - expected).max() <= 1
+
+
+async def test_a_jpeg_is_re_encoded_as_png():
+    buf = io.BytesIO()
+    page(size=(800, 608)).save(buf, format="JPEG", quality=90)
+    sent, _ = await engine_bytes(buf.getvalue())
+    assert Image.open(io.BytesIO(sent)).format == "PNG"
