@@ -194,7 +194,8 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str
 
 def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine_name: str, request_id: str,
                          *, started: float | None = None, source: str = "image") -> PreparedPage:
-    """Budget, resize, re-encode (an upload that is already the right PNG goes on as it is) and prompt an already decoded page (also used by jobs for rendered PDF pages)."""
+    """Budget, resize, re-encode and prompt an already decoded page (also used by jobs for rendered PDF pages). An
+    upload that already is a bare PNG of the planned pixels goes to the engine as it is."""
     s = ctx.settings
     started = time.perf_counter() if started is None else started
     task = TASKS[req.task]
