@@ -387,7 +387,6 @@ class Bench:
         engine_args.pop("disable_log_stats", None)  # its /metrics histograms say where each request's time went
         if stock:
             engine_args.pop("renderer_num_workers", None)
-            engine_args.pop("mm_processor_kwargs", None)
         template = raw_chat_template(self.kit, self.out)
         if template is not None:
             engine_args["chat_template"] = str(template)

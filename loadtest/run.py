@@ -116,15 +116,14 @@ class OCRTarget:
         return json.dumps(payload).encode()
 
     def check(self, status: int, payload: bytes) -> "Answer":
-        try:
-            data = json.loads(payload)
-        except ValueError:
+        data = _json_object(payload)
+        if data is None:
             return Answer(False, f"http_{status}")
         if status == 200:
             timings = data.get("timings_ms") or {}
             return Answer(True, None, (data.get("usage") or {}).get("output_tokens"), timings.get("engine"),
                           {k: v for k, v in timings.items() if k in BREAKDOWN_STAGES})
-        error = (data.get("error") or {}).get("code") if isinstance(data, dict) else None
+        error = (data.get("error") or {}).get("code")
         return Answer(False, error or f"http_{status}")
 
 
@@ -167,13 +166,19 @@ class OpenAIChatTarget:
         return json.dumps(payload).encode()
 
     def check(self, status: int, payload: bytes) -> "Answer":
-        try:
-            data = json.loads(payload)
-        except ValueError:
-            return Answer(False, f"http_{status}")
-        if status == 200:
+        data = _json_object(payload)
+        if status == 200 and data is not None:
             return Answer(True, None, (data.get("usage") or {}).get("completion_tokens"))
         return Answer(False, f"http_{status}")
+
+
+def _json_object(payload: bytes) -> dict[str, Any] | None:
+    """A response body as a JSON object; None when it is not one (proxy error pages, truncated bodies)."""
+    try:
+        data = json.loads(payload)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def build_requests(target: Target, jobs: Iterable[Job], docs_per_job: int = 4, chars: int = MEDIUM_CHARS,

@@ -20,7 +20,7 @@ import json
 import logging
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
@@ -209,6 +209,7 @@ class _Metrics:
         self._gauge_values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._lock = threading.Lock()  # gauge values are read by the refresher thread
         self._stop = threading.Event()
+        self._in_flight_counts: dict[str, int] = {}
 
     def start_refresher(self, interval_s: float = GAUGE_REFRESH_S) -> None:
         """Re-set every gauge periodically (see GAUGE_REFRESH_S) from a daemon thread; `close()` stops it."""
@@ -220,6 +221,17 @@ class _Metrics:
                 self.refresh()
 
         threading.Thread(target=loop, name=f"ocr-{self.process}-metrics", daemon=True).start()
+
+    @contextmanager
+    def _in_flight(self, gauge: str) -> Iterator[None]:
+        """`gauge` counts the blocks running inside this context (requests waiting, requests ongoing)."""
+        self._in_flight_counts[gauge] = self._in_flight_counts.get(gauge, 0) + 1
+        self._set(gauge, self._in_flight_counts[gauge])
+        try:
+            yield
+        finally:
+            self._in_flight_counts[gauge] -= 1
+            self._set(gauge, self._in_flight_counts[gauge])
 
     def refresh(self) -> None:
         with self._lock:
@@ -264,7 +276,6 @@ class IngressMetrics(_Metrics):
 
     def __init__(self, factory: InstrumentFactory | None = None):
         super().__init__(factory)
-        self._waiting = 0
 
     @classmethod
     def for_settings(cls, settings) -> "IngressMetrics":
@@ -301,15 +312,8 @@ class IngressMetrics(_Metrics):
         self._inc("ocr_ratelimit_backend_errors", error=type(exc).__name__)
 
     # engine call
-    @contextmanager
-    def waiting_for_engine(self) -> Iterator[None]:
-        self._waiting += 1
-        self._set("ocr_ingress_waiting_requests", self._waiting)
-        try:
-            yield
-        finally:
-            self._waiting -= 1
-            self._set("ocr_ingress_waiting_requests", self._waiting)
+    def waiting_for_engine(self) -> AbstractContextManager[None]:
+        return self._in_flight("ocr_ingress_waiting_requests")
 
     # after parsing
     def page_done(self, *, task: str, source: str, timings_ms: dict[str, float], image_tokens: int,
@@ -346,7 +350,6 @@ class EngineMetrics(_Metrics):
     def __init__(self, factory: InstrumentFactory | None = None, engine: str = "unknown"):
         super().__init__(factory)
         self.engine = engine
-        self._ongoing = 0
 
     @classmethod
     def for_settings(cls, settings) -> "EngineMetrics":
@@ -359,15 +362,8 @@ class EngineMetrics(_Metrics):
     def healthy(self, ok: bool) -> None:
         self._set("ocr_engine_healthy", 1.0 if ok else 0.0, engine=self.engine)
 
-    @contextmanager
-    def ongoing(self) -> Iterator[None]:
-        self._ongoing += 1
-        self._set("ocr_engine_ongoing_requests", self._ongoing)
-        try:
-            yield
-        finally:
-            self._ongoing -= 1
-            self._set("ocr_engine_ongoing_requests", self._ongoing)
+    def ongoing(self) -> AbstractContextManager[None]:
+        return self._in_flight("ocr_engine_ongoing_requests")
 
     def adapter_loaded(self, adapter: str, ok: bool) -> None:
         self._inc("ocr_adapter_loads", adapter=adapter, outcome="ok" if ok else "error")

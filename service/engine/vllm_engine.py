@@ -124,8 +124,7 @@ class VLLMEngine:
             enforce_eager=s.enforce_eager or on_cpu,
             limit_mm_per_prompt={"image": 1},
             mm_processor_cache_gb=0,  # every page is new; the cache also forbids more than one renderer thread
-            mm_processor_kwargs={"backend": s.image_processor_backend},
-            renderer_num_workers=s.preprocess_workers,
+            renderer_num_workers=s.preprocess_workers,  # the processor backend goes with each request (stream())
             distributed_executor_backend="uni",
             # stats go only to the stat loggers passed in start() (Ray metrics); no periodic stats log lines
             disable_log_stats=True,
@@ -321,7 +320,7 @@ class VLLMEngine:
         image = await asyncio.to_thread(_png_to_image, request.image_png)
         # the renderer's thread pool runs the HF image processor: off this event loop and several pages at once
         # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
-        # the backend goes with each request too: vLLM 0.26's HunyuanOCR processor info pins `pil` over the engine's
+        # the backend goes with each request: vLLM 0.26's HunyuanOCR processor info pins `pil` over an engine-wide
         # mm_processor_kwargs, but a request's own kwargs win
         (engine_input,) = await llm.renderer.render_cmpl_async([{
             "prompt": prompt, "multi_modal_data": {"image": image},

@@ -80,44 +80,13 @@ def _json_region(text: str) -> tuple[str, int]:
     return region[start:], offset + start
 
 
-def _close_truncated(s: str) -> list[str]:
-    """Candidates that close a truncated JSON text: the open string and brackets closed, with and without the
-    incomplete last member."""
+def _scan(s: str) -> tuple[list[str], bool, bool, list[int]]:
+    """Walk JSON text outside its strings: the closers still open, whether it ends inside a string (and right after
+    a backslash), and the positions where a member can be cut off (after '{'/'[', before ',')."""
     stack: list[str] = []
     in_string = escape = False
-    cut_points: list[int] = []  # positions of ',' or '{'/'[' at any depth (outside strings)
+    cut_points: list[int] = []
     for i, ch in enumerate(s):
-        if in_string:
-            if escape:
-                escape = False
-            elif ch == "\\":
-                escape = True
-            elif ch == '"':
-                in_string = False
-            continue
-        if ch == '"':
-            in_string = True
-        elif ch in "{[":
-            stack.append("}" if ch == "{" else "]")
-            cut_points.append(i + 1)
-        elif ch in "}]":
-            if stack:
-                stack.pop()
-        elif ch == ",":
-            cut_points.append(i)
-    candidates = []
-    head = s + ('"' if in_string else "")
-    head = head[:-1] if escape and not in_string else head
-    candidates.append(_closed(head))
-    for cut in reversed(cut_points[-3:]):
-        candidates.append(_closed(s[:cut]))
-    return candidates
-
-
-def _closed(s: str) -> str:
-    stack: list[str] = []
-    in_string = escape = False
-    for ch in s:
         if in_string:
             if escape:
                 escape = False
@@ -129,8 +98,26 @@ def _closed(s: str) -> str:
             in_string = True
         elif ch in "{[":
             stack.append("}" if ch == "{" else "]")
-        elif ch in "}]" and stack:
-            stack.pop()
+            cut_points.append(i + 1)
+        elif ch in "}]":
+            if stack:
+                stack.pop()
+        elif ch == ",":
+            cut_points.append(i)
+    return stack, in_string, escape, cut_points
+
+
+def _close_truncated(s: str) -> list[str]:
+    """Candidates that close a truncated JSON text: the open string and brackets closed, with and without the
+    incomplete last member."""
+    _, in_string, escape, cut_points = _scan(s)
+    head = s + ('"' if in_string else "")
+    head = head[:-1] if escape and not in_string else head
+    return [_closed(head)] + [_closed(s[:cut]) for cut in reversed(cut_points[-3:])]
+
+
+def _closed(s: str) -> str:
+    stack = _scan(s)[0]
     s = s.rstrip()
     if s.endswith(","):
         s = s[:-1]
