@@ -31,6 +31,7 @@ import dataclasses
 import gc
 import importlib.util
 import json
+import os
 import tempfile
 import time
 import traceback
@@ -39,11 +40,52 @@ from typing import Any, Callable
 
 from loadtest import run
 from loadtest.common import (environment_facts, service_prompt, start_service, start_vllm_server)
+from loadtest.resources import (GpuUtilisation, busiest_pids, cpu_percent, cpu_snapshot, record_stacks,
+                                summarise_stacks)
 from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
 
 SERVED_NAME = "hunyuan-ocr"
-SERVER_PARTS = ("raw", "raw_stock", "service")  # each starts a server and sweeps it
+SERVER_PARTS = ("raw", "raw_stock", "raw_cached", "service")  # each starts a server (or several) and sweeps it
 ALL_PARTS = ("matmul", *SERVER_PARTS, "hf")
+# the model kit is local: no Hugging Face Hub lookups (the GPU machine has no network; a lookup only waits)
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# KV cache of one engine at gpu_memory_utilization 0.17 on the H200 (shared/gpu/README.md: 19-21 GiB): what engines
+# sharing the GPU split between them (--kv-cache-gb overrides)
+ONE_ENGINE_KV_GIB = 19.0
+
+
+def base_part(name: str) -> str:
+    """The part a variant belongs to: raw_api4 → raw, service_x2 → service; others are their own."""
+    if name.startswith("raw_api"):
+        return "raw"
+    if name.startswith("service_x"):
+        return "service"
+    return name
+
+
+def expand_parts(parts: list[str], raw_api_servers: list[int], service_engines: list[int]) -> list[str]:
+    """`raw` once per API-server count (raw, raw_api4, …), `service` once per engine count (service, service_x2, …)."""
+    out: list[str] = []
+    for part in parts:
+        if part == "raw":
+            out += ["raw" if n == 1 else f"raw_api{n}" for n in raw_api_servers]
+        elif part == "service":
+            out += ["service" if n == 1 else f"service_x{n}" for n in service_engines]
+        else:
+            out.append(part)
+    return out
+
+
+def best_by_level(parts: dict[str, Any], names: list[str], workload: str) -> dict[float, tuple[str, dict]]:
+    """Per concurrency, the variant (of `names`) with the most docs/s there, and its step."""
+    best: dict[float, tuple[str, dict]] = {}
+    for name in names:
+        for s in (parts.get(name, {}).get(workload) or {}).get("steps", []):
+            if "skipped" in s or not s.get("docs_per_s"):
+                continue
+            if s["level"] not in best or s["docs_per_s"] > best[s["level"]][1]["docs_per_s"]:
+                best[s["level"]] = (name, s)
+    return best
 # vLLM's own request histograms, scraped from the raw server around each step: where the time of a request went
 VLLM_HISTOGRAMS = {
     "e2e": "vllm:e2e_request_latency_seconds",
@@ -222,6 +264,7 @@ class Bench:
         }
         self.steps: list[dict[str, Any]] = []
         self.documents: dict[str, list[GeneratedDocument]] = {}
+        self.gpu_util = GpuUtilisation()
 
     # results are rewritten after every step: a run cut short still leaves its numbers
     def save(self) -> None:
@@ -276,7 +319,7 @@ class Bench:
 
     def plan(self, parts: list[str]) -> None:
         """Print the expected time of each part; steps that would not fit the budget are skipped at run time."""
-        servers = sum(p in SERVER_PARTS for p in parts)
+        servers = sum(base_part(p) in SERVER_PARTS for p in parts)
         estimate = 20 + servers * (self.startup_guess_s() + self.estimate_server_s()) + \
             (self.hf_guess_s() if "hf" in parts else 0)
         self.results["plan"] = {"parts": parts, "step_s": self.args.step_s, "max_step_s": self.args.max_step_s,
@@ -293,10 +336,12 @@ class Bench:
         self.log(f"matmul: {result['tflops']} TFLOP/s {result['dtype']} on {result['device']}")
 
     async def _sweep_server(self, part: str, url: str, target: run.Target, reserve_s: float,
-                            scrape: Callable[[], dict[str, tuple[float, float]]] | None = None) -> None:
+                            scrape: Callable[[], dict[str, tuple[float, float]]] | None = None,
+                            docs: int | None = None) -> None:
         part_result = self.results["parts"].setdefault(part, {})
+        docs = docs or self.args.docs
         for w in self.workloads:
-            requests = run.build_requests(target, [w.job], docs_per_job=self.args.docs, documents=self.documents)
+            requests = run.build_requests(target, [w.job], docs_per_job=docs, documents=self.documents)
             started = time.perf_counter()
             warm = await run.warm_up(url, target, requests, count=max(2, min(8, max(w.levels))),
                                      concurrency=max(1, min(8, max(w.levels))))
@@ -320,10 +365,20 @@ class Bench:
                     self.log(f"{label} concurrency {level}: skipped (time budget)")
                     continue
                 before = await asyncio.to_thread(scrape) if scrape else None
+                cpu_before = cpu_snapshot([os.getpid()])  # this process: the load generator and every server
+                profiling = None
+                if level in self.args.py_spy_levels:
+                    profiling = asyncio.create_task(self.profile_step(label, level, cpu_before, warmup,
+                                                                      duration - warmup - 1))
                 step = await run.run_closed(url, target, requests, level, duration, warmup,
                                             self.args.request_timeout_s, label,
                                             min_answers=2 if self.args.tiny else 0)  # CPU dry run: slow but shown
                 summary = step.summary(w.slo_ms)
+                cpu_after = cpu_snapshot([os.getpid()])
+                summary["gpu_util_pct"] = self.gpu_util.mean(cpu_before.taken, cpu_after.taken)
+                summary["cpu_pct"] = cpu_percent(cpu_before, cpu_after)
+                if profiling is not None:
+                    summary["py_spy"] = await profiling
                 if before is not None:  # the step's whole duration (warm-up included): vLLM's view of a request
                     summary["vllm_mean_ms"] = histogram_means(before, await asyncio.to_thread(scrape))
                 entry["steps"].append(summary)
@@ -331,6 +386,27 @@ class Bench:
                 run.print_step(summary)
                 self.save()
                 await asyncio.sleep(self.args.cooldown_s)  # cancelled requests are aborted before the next step
+
+    async def profile_step(self, label: str, level: float, cpu_before, warmup_s: float, seconds: float) -> dict:
+        """After the step's warm-up: py-spy on the server's busiest processes (by CPU during the warm-up) for the
+        rest of the step; their stacks go to OUT/profiles/, the top functions into the step's summary."""
+        await asyncio.sleep(warmup_s)
+        now = cpu_snapshot([os.getpid()])
+        exclude = {os.getpid(), *[p for p, (kind, _) in now.ticks.items() if kind.startswith("py-spy")]}
+        found = {}
+        recorders = []
+        (self.out / "profiles").mkdir(parents=True, exist_ok=True)
+        for pid, kind in busiest_pids(cpu_before, now, self.args.py_spy_processes, exclude):
+            path = self.out / "profiles" / f"{label.replace('/', '-')}-{level:g}-{pid}.txt"
+            proc = record_stacks(pid, max(2.0, seconds), str(path))
+            if proc is not None:
+                recorders.append((pid, kind, path, proc))
+        for pid, kind, path, proc in recorders:
+            _, err = await asyncio.to_thread(proc.communicate)
+            found[f"{kind} (pid {pid})"] = {**summarise_stacks(str(path)), "file": path.name,
+                                            **({"error": err.decode(errors="replace")[-300:]}
+                                               if proc.returncode else {})}
+        return found
 
     def step_timing(self, w: Workload, level: int, done: list[dict[str, Any]]) -> tuple[float, float]:
         """(duration, warm-up) of a step: at least --step-s, and long enough for the expected latency at this
@@ -375,20 +451,29 @@ class Bench:
         """Seconds the parts after `part` are expected to need, kept free while `part` runs."""
         reserve = 0.0
         for later in parts[parts.index(part) + 1:]:
-            if later in SERVER_PARTS:
+            if base_part(later) in SERVER_PARTS:
                 reserve += self.startup_guess_s() + self.estimate_server_s()
             elif later == "hf":
                 reserve += self.hf_guess_s()
         return reserve
 
-    def part_raw(self, parts: list[str], stock: bool = False) -> None:
-        """Raw `vllm serve` with our engine's arguments; `stock`: with vLLM's own preprocessing defaults instead
-        (PIL image processor, one renderer thread), as the reference numbers in shared/gpu/README.md ran."""
-        name = "raw_stock" if stock else "raw"
+    def part_raw(self, name: str, parts: list[str]) -> None:
+        """Raw `vllm serve` with our engine's arguments. Variants by name:
+        - `raw_apiN`: N API server processes in front of the one engine core (`--api-server-count N`);
+        - `raw_stock`: vLLM's own preprocessing defaults instead (PIL image processor, one renderer thread);
+        - `raw_cached`: stock, plus vLLM's default processor cache and one document sent over and over — our best
+          reconstruction of how the reference numbers in shared/gpu/README.md ran (its flags list turns prefix
+          caching off but not the processor cache). Repeated pages hit the processor cache and share encoder
+          outputs, so this measures a cache, not OCR of new pages."""
+        stock = name in ("raw_stock", "raw_cached")
         engine_args = raw_engine_args(self.settings)
         engine_args.pop("disable_log_stats", None)  # its /metrics histograms say where each request's time went
         if stock:
             engine_args.pop("renderer_num_workers", None)
+        if name == "raw_cached":
+            engine_args.pop("mm_processor_cache_gb", None)
+        if name.startswith("raw_api"):
+            engine_args["api_server_count"] = int(name.removeprefix("raw_api"))
         template = raw_chat_template(self.kit, self.out)
         if template is not None:
             engine_args["chat_template"] = str(template)
@@ -396,8 +481,9 @@ class Bench:
             engine_args["trust_request_mm_kwargs"] = True  # newer vLLM: per-request mm_processor_kwargs opt-in
         self.results["parts"][name] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
         started = time.monotonic()
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(int(self.settings.get("kv_cache_memory_gb") or 1))} \
-            if self.args.tiny else {}
+        env = dict(OFFLINE_ENV)
+        if self.args.tiny:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.get("kv_cache_memory_gb") or 1))
         proc, url = start_vllm_server(self.kit, engine_args, log_path=self.out / "logs" / f"vllm-serve-{name}.log",
                                       served_model_name=SERVED_NAME, ready_timeout_s=max(60.0, self.left()),
                                       extra_env=env)
@@ -409,24 +495,42 @@ class Bench:
             kwargs = None if stock else {"backend": self.settings["image_processor_backend"]}
             target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts, mm_processor_kwargs=kwargs)
             asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts),
-                                           scrape=lambda: vllm_histograms(url)))
+                                           scrape=lambda: vllm_histograms(url),
+                                           docs=1 if name == "raw_cached" else None))
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} vllm serve stopped")
 
-    def part_service(self, parts: list[str]) -> None:
-        self.results["parts"].setdefault("service", {})
+    def service_variant_settings(self, name: str) -> dict[str, Any]:
+        """`service`: one engine replica on the GPU; `service_xN`: N engine replicas share it (each 1/N of the GPU
+        and 1/N of the KV cache one engine gets at the 24 GB budget), so N frontend processes feed the GPU."""
+        settings = dict(self.settings)
+        engines = int(name.removeprefix("service_x")) if name.startswith("service_x") else 1
+        if engines > 1:
+            settings.update(min_replicas=engines, max_replicas=engines)
+            if not self.args.tiny:  # the CPU dry run has no GPU to share
+                settings["engine_num_gpus"] = round(1 / engines, 4)
+            # a fixed KV size: engines that profile memory at the same time would count each other's allocations
+            settings["kv_cache_memory_gb"] = round((self.args.kv_cache_gb or ONE_ENGINE_KV_GIB) / engines, 2)
+            settings.pop("gpu_memory_utilization", None)
+        return settings
+
+    def part_service(self, name: str, parts: list[str]) -> None:
+        settings = self.service_variant_settings(name)
+        self.results["parts"].setdefault(name, {})
+        if settings != self.settings:
+            self.results["parts"][name]["settings"] = {k: v for k, v in settings.items() if self.settings.get(k) != v}
         started = time.monotonic()
-        proc, url = start_service(self.settings, log_path=self.out / "logs" / "service.log",
-                                  ready_timeout_s=max(60.0, self.left()))
+        proc, url = start_service(settings, log_path=self.out / "logs" / f"{name}.log",
+                                  ready_timeout_s=max(60.0, self.left()), extra_env=OFFLINE_ENV)
         try:
-            self.results["parts"]["service"]["startup_s"] = round(time.monotonic() - started, 1)
-            self.log(f"service ready in {time.monotonic() - started:.0f}s at {url}")
+            self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
+            self.log(f"{name} ready in {time.monotonic() - started:.0f}s at {url}")
             target = run.OCRTarget()
-            asyncio.run(self._sweep_server("service", url, target, self.reserve_after("service", parts)))
+            asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts)))
         finally:
             proc.stop(timeout_s=30)
-            self.log("service stopped")
+            self.log(f"{name} stopped")
 
     def part_hf(self) -> None:
         """HF transformers `generate`, batch 1, the same documents and prompts, fixed output length."""
@@ -518,7 +622,8 @@ class Bench:
             if tflops:
                 entry["roofline_docs_per_s"] = float(f"{tflops / flops['total_tflop']:.4g}")
             peaks = {}
-            for name in SERVER_PARTS:
+            servers = [name for name in parts if base_part(name) in SERVER_PARTS]
+            for name in servers:
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
                 if steps:
                     best = max(steps, key=lambda s: s["docs_per_s"] or 0)
@@ -527,20 +632,28 @@ class Bench:
                     if tflops:
                         peaks[name]["roofline_fraction"] = round(best["docs_per_s"] / entry["roofline_docs_per_s"], 3)
             entry["peak"] = peaks
+            # our best service variant against the best raw server at each concurrency (raw_stock and
+            # raw_cached are references, not the baseline: one is slower by design, the other measures a cache)
             comparisons = []
-            raw_steps = {s["level"]: s for s in (parts.get("raw", {}).get(w.name) or {}).get("steps", [])
-                         if "skipped" not in s}
-            for s in (parts.get("service", {}).get(w.name) or {}).get("steps", []):
-                r = raw_steps.get(s.get("level"))
-                if "skipped" in s or r is None or not r["docs_per_s"]:
+            raw_best = best_by_level(parts, [n for n in servers if base_part(n) == "raw"], w.name)
+            raw_steps = {level: step for level, (_, step) in raw_best.items()}
+            service_best = best_by_level(parts, [n for n in servers if base_part(n) == "service"], w.name)
+            for level, (service_name, s) in sorted(service_best.items()):
+                if level not in raw_best:
                     continue
+                raw_name, r = raw_best[level]
                 comparisons.append({
-                    "level": s["level"],
+                    "level": level, "service": service_name, "raw": raw_name,
                     "throughput_ratio": round((s["docs_per_s"] or 0) / r["docs_per_s"], 3),
                     "p50_delta_ms": _delta(s["latency_ms_p50"], r["latency_ms_p50"]),
                     "p95_delta_ms": _delta(s["latency_ms_p95"], r["latency_ms_p95"]),
                 })
             entry["service_vs_raw"] = comparisons
+            for kind in ("raw", "service"):
+                kind_peaks = {n: pk for n, pk in peaks.items() if base_part(n) == kind}
+                if kind_peaks:
+                    name = max(kind_peaks, key=lambda n: kind_peaks[n]["docs_per_s"] or 0)
+                    entry[f"best_{kind}"] = {"part": name, **kind_peaks[name]}
             hf = (parts.get("hf") or {}).get(w.name) or {}
             if hf.get("docs_per_s"):
                 entry["hf_docs_per_s"] = hf["docs_per_s"]
@@ -582,13 +695,14 @@ class Bench:
             lines += [f"Measured matmul: **{matmul['tflops']} TFLOP/s** ({matmul['dtype']}, {matmul['n']}³, "
                       f"{matmul['device']})", ""]
         lines += ["| workload | server | concurrency | docs/s | p50 ms | p95 ms | p99 ms | goodput | errors | "
-                  "output tokens (mean) | where the time went (ms) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "output tokens (mean) | where the time went (ms) | GPU busy % | busiest processes (CPU %) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in self.steps:
             part, workload = s["label"].split("/", 1)
             lines.append(f"| {workload} | {part} | {s['level']:g} | {s['docs_per_s']} | {s['latency_ms_p50']} | "
                          f"{s['latency_ms_p95']} | {s['latency_ms_p99']} | {s['goodput']} | {s['errors']} | "
-                         f"{s.get('output_tokens_mean')} | {breakdown(s)} |")
+                         f"{s.get('output_tokens_mean')} | {breakdown(s)} | {_or_dash(s.get('gpu_util_pct'))} | "
+                         f"{busiest(s)} |")
         analysis = r.get("analysis", {})
         if analysis:
             lines += ["", "| workload | service/raw docs/s per concurrency | service − raw p50 ms | raw peak | "
@@ -596,15 +710,17 @@ class Bench:
                       "|---|---|---|---|---|---|---|---|---|"]
             for name, a in analysis.items():
                 comp = a.get("service_vs_raw", [])
-                ratios = ", ".join(f"{c['level']:g}: {c['throughput_ratio']}" for c in comp) or "-"
+                ratios = ", ".join(f"{c['level']:g}: {c['throughput_ratio']} ({c['service']}/{c['raw']})"
+                                   for c in comp) or "-"
                 p50 = ", ".join(f"{c['level']:g}: {c['p50_delta_ms']:+}" for c in comp
                                 if c["p50_delta_ms"] is not None) or "-"
-                raw_peak = a.get("peak", {}).get("raw", {})
-                svc_peak = a.get("peak", {}).get("service", {})
+                raw_peak = a.get("best_raw", {})
+                svc_peak = a.get("best_service", {})
+                raw_vs_hf = a.get(f"{raw_peak.get('part')}_peak_vs_hf", "-")
                 lines.append(
                     f"| {name} | {ratios} | {p50} | {raw_peak.get('docs_per_s', '-')} @ {raw_peak.get('level', '-')} "
-                    f"| {svc_peak.get('docs_per_s', '-')} @ {svc_peak.get('level', '-')} | "
-                    f"{a.get('hf_docs_per_s', '-')} | {a.get('raw_peak_vs_hf', '-')}× | "
+                    f"({raw_peak.get('part', '-')}) | {svc_peak.get('docs_per_s', '-')} @ {svc_peak.get('level', '-')} "
+                    f"({svc_peak.get('part', '-')}) | {a.get('hf_docs_per_s', '-')} | {raw_vs_hf}× | "
                     f"{a.get('roofline_docs_per_s', '-')} | {raw_peak.get('roofline_fraction', '-')} |")
             lines += ["", "FLOPs per document (TFLOP): " + "; ".join(
                 f"{name}: ViT {a['flops_per_doc']['vit_tflop']}, prefill {a['flops_per_doc']['prefill_tflop']}, "
@@ -631,6 +747,7 @@ class Bench:
         self.results["vllm_plugin"] = found
 
     def finish(self) -> None:
+        self.gpu_util.stop()
         self.plugin_lines()
         try:
             self.analyse()
@@ -654,6 +771,15 @@ def _server_requires_mm_kwargs_trust() -> bool:
     except ImportError:
         return False
     return any(f.name == "trust_request_mm_kwargs" for f in dataclasses.fields(FrontendArgs))
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def busiest(step: dict[str, Any], top: int = 3) -> str:
+    """The step's busiest processes by CPU % (100 = one core), e.g. `VLLM::EngineCore 99, python3 -m … 61`."""
+    return ", ".join(f"{kind} {pct:g}" for kind, pct in list((step.get("cpu_pct") or {}).items())[:top]) or "-"
 
 
 def breakdown(step: dict[str, Any]) -> str:
@@ -706,12 +832,12 @@ def _delta(a: float | None, b: float | None) -> float | None:
 
 def preflight(parts: list[str]) -> dict[str, str]:
     """Parts whose Python dependencies are missing (name → reason); the run skips them and says so."""
-    needs = {"matmul": ["torch"], "raw": ["vllm", "aiohttp"], "raw_stock": ["vllm", "aiohttp"], "service": ["vllm", "ray", "aiohttp", "fastapi",
-                                                                           "pydantic_settings"],
-             "hf": ["torch", "transformers"]}
+    server = ["vllm", "aiohttp"]
+    needs = {"matmul": ["torch"], "raw": server, "raw_stock": server, "raw_cached": server,
+             "service": [*server, "ray", "fastapi", "pydantic_settings"], "hf": ["torch", "transformers"]}
     missing = {}
     for part in parts:
-        lacking = [m for m in needs[part] if importlib.util.find_spec(m) is None]
+        lacking = [m for m in needs[base_part(part)] if importlib.util.find_spec(m) is None]
         if lacking:
             missing[part] = "missing Python modules: " + ", ".join(lacking)
     return missing
@@ -746,6 +872,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF image processor backend of both servers (raw_stock: vLLM's pinned pil)")
     p.add_argument("--preprocess-workers", type=int, default=8,
                    help="image preprocessing threads of both servers (vLLM renderer_num_workers; raw_stock: 1)")
+    p.add_argument("--raw-api-servers", default="1", help="part raw once per count of API server processes in front "
+                   "of its one engine core (`vllm serve --api-server-count`), e.g. 1,4; results raw, raw_api4")
+    p.add_argument("--service-engines", default="1", help="part service once per count of engine replicas sharing "
+                   f"the GPU, e.g. 1,2; results service, service_x2 (each engine gets 1/N of {ONE_ENGINE_KV_GIB:g} GiB "
+                   "KV, or of --kv-cache-gb)")
+    p.add_argument("--py-spy", default="", help="concurrencies (e.g. 128) at which py-spy samples the servers' "
+                   "busiest processes after the warm-up; stacks in OUT/profiles/, top functions in results.json")
+    p.add_argument("--py-spy-processes", type=int, default=3, help="how many of the busiest processes py-spy samples")
     p.add_argument("--ingress-replicas", type=int, default=None, help="service ingress replicas (default 4; tiny 1)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="extra vLLM engine argument for BOTH servers, e.g. max_num_batched_tokens=16384 "
@@ -755,6 +889,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge", type=Path, default=None, help="results.json of an earlier run (same settings): its "
                    "parts that this run does not repeat join this run's tables and ratios")
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
+
+
+def _counts(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    try:
+        counts = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        parser.error(f"expected distinct positive integers separated by commas, got {text!r}")
+    return counts
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:
@@ -781,6 +925,10 @@ def apply_defaults(args: argparse.Namespace) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    try:
+        args.py_spy_levels = {float(v) for v in args.py_spy.split(",") if v.strip()}
+    except ValueError:
+        raise ValueError(f"--py-spy: expected concurrencies separated by commas, got {args.py_spy!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -792,11 +940,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
-    apply_defaults(args)
+    try:
+        apply_defaults(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(ALL_PARTS)
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
+    parts = expand_parts(parts, _counts(parser, args.raw_api_servers), _counts(parser, args.service_engines))
     bench = Bench(args)
     missing = preflight(parts)
     for part, reason in missing.items():
@@ -812,12 +964,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if part == "matmul":
                 bench.part_matmul()
-            elif part == "raw":
-                bench.part_raw(parts)
-            elif part == "raw_stock":
-                bench.part_raw(parts, stock=True)
-            elif part == "service":
-                bench.part_service(parts)
+            elif base_part(part) in ("raw", "raw_stock", "raw_cached"):
+                bench.part_raw(part, parts)
+            elif base_part(part) == "service":
+                bench.part_service(part, parts)
             elif part == "hf":
                 bench.part_hf()
         except Exception as exc:  # one part failing must not cost the others their numbers

