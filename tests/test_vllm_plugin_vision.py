@@ -182,3 +182,60 @@ def test_no_patch_where_vllm_has_no_native_hunyuan_tower():
 
     assert importlib.util.find_spec("vllm.model_executor.models.hunyuan_vision") is None
     vllm_plugin._patch_hunyuan_vision_batched()
+
+
+def test_pixel_values_reach_the_tower_identical_in_half_the_bytes(tmp_path):
+    """Fix 5 on the real HF processor's output for a real page: bf16 pixel values from the frontend are exactly what
+    the tower's own first cast (`x.to(dtype=self.dtype)`) makes of float32 ones, in half the bytes; a float32
+    model and the non-pixel outputs are left alone."""
+    from transformers import AutoProcessor
+
+    import io
+
+    from PIL import Image
+
+    from loadtest.documents import make_documents
+    from service.modelkit import write_kit
+
+    write_kit(tmp_path, tiny=False, weights=False)
+    processor = AutoProcessor.from_pretrained(str(tmp_path), backend="torchvision")
+    page = make_documents("id_card", 1)[0]
+    image = Image.open(io.BytesIO(page.png)).convert("RGB")
+    wrapped = processor.image_start_token + processor.image_token + processor.image_end_token
+    outputs = processor(text=[wrapped], images=[image], return_tensors="pt")
+    float_pixels, grid = outputs["pixel_values"].clone(), outputs["image_grid_thw"].clone()
+    assert float_pixels.dtype == torch.float32
+
+    cast = vllm_plugin.pixels_in_model_dtype(outputs, torch.bfloat16)
+    assert cast["pixel_values"].dtype == torch.bfloat16
+    assert torch.equal(cast["pixel_values"], float_pixels.to(dtype=torch.bfloat16))  # the tower's own cast
+    assert cast["pixel_values"].nbytes * 2 == float_pixels.nbytes
+    assert torch.equal(cast["image_grid_thw"], grid)
+    kept = {"pixel_values": float_pixels, "image_grid_thw": grid}
+    assert vllm_plugin.pixels_in_model_dtype(kept, torch.float32)["pixel_values"] is float_pixels
+
+
+def test_pixel_patch_wraps_the_native_processor_once(monkeypatch):
+    """On a vLLM with the native HunyuanOCR processor the frontend's processor output is cast once, with the model
+    config's dtype; a second plugin load adds no second wrapper."""
+    import sys
+    import types
+
+    class ModelConfig:
+        dtype = torch.bfloat16
+
+    class Processor:
+        info = types.SimpleNamespace(ctx=types.SimpleNamespace(model_config=ModelConfig()))
+
+        def _call_hf_processor(self, prompt, mm_data, mm_kwargs, tok_kwargs):
+            return {"pixel_values": torch.ones(4, 768), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+
+    module = types.ModuleType("vllm.model_executor.models.hunyuan_vision")
+    module.HunYuanVLMultiModalProcessor = Processor
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    vllm_plugin._patch_hunyuan_pixels_in_model_dtype()
+    wrapped = Processor._call_hf_processor
+    vllm_plugin._patch_hunyuan_pixels_in_model_dtype()
+    assert Processor._call_hf_processor is wrapped
+    out = Processor()._call_hf_processor("p", {}, {}, {})
+    assert out["pixel_values"].dtype == torch.bfloat16 and out["image_grid_thw"].dtype == torch.int64

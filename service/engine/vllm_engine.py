@@ -160,8 +160,29 @@ class VLLMEngine:
 
         self._llm = AsyncLLM.from_engine_args(self.engine_args(), usage_context=UsageContext.OPENAI_API_SERVER,
                                               stat_loggers=vllm_stat_loggers(self.settings))
+        await self._warm_renderer()
         log.info("vLLM engine ready in %.1fs (model %s, image token %s)", time.perf_counter() - started,
                  self.settings.served_model_name, "wrapped" if self._wrap_image_token else "bare")
+
+    async def _warm_renderer(self) -> None:
+        """Render one small page before taking traffic. vLLM builds the HF processor for a set of processor kwargs
+        on first use and caches it, but concurrent first requests each build their own (a tokenizer deep copy
+        apiece): on the H200 the first burst of 8 pages waited 67-77 s in raw `vllm serve`, and a new replica would
+        do the same to its first users. One render here builds it once; requests then hit the cache (same kwargs:
+        _render_inputs)."""
+        from PIL import Image
+
+        started = time.perf_counter()
+        await self._llm.renderer.render_cmpl_async(
+            [self._render_inputs(self.render_prompt("warm-up"), Image.new("RGB", (64, 64), "white"))])
+        log.info("image processor ready in %.0f ms", (time.perf_counter() - started) * 1000)
+
+    def _render_inputs(self, prompt: str, image: Any) -> dict[str, Any]:
+        """What vLLM's renderer gets for one page. The processor backend goes with each request: vLLM 0.26's
+        HunyuanOCR processor info pins `pil` over an engine-wide mm_processor_kwargs, but a request's own kwargs
+        win."""
+        return {"prompt": prompt, "multi_modal_data": {"image": image},
+                "mm_processor_kwargs": {"backend": self.settings.image_processor_backend}}
 
     async def shutdown(self) -> None:
         llm, self._llm = self._llm, None
@@ -320,11 +341,7 @@ class VLLMEngine:
         image = await asyncio.to_thread(_png_to_image, request.image_png)
         # the renderer's thread pool runs the HF image processor: off this event loop and several pages at once
         # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
-        # the backend goes with each request: vLLM 0.26's HunyuanOCR processor info pins `pil` over an engine-wide
-        # mm_processor_kwargs, but a request's own kwargs win
-        (engine_input,) = await llm.renderer.render_cmpl_async([{
-            "prompt": prompt, "multi_modal_data": {"image": image},
-            "mm_processor_kwargs": {"backend": self.settings.image_processor_backend}}])
+        (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, image)])
         preprocess_ms = (time.perf_counter() - started) * 1000
         first_token_ms: float | None = None
         params = self.sampling_params(request)
