@@ -21,14 +21,6 @@ model (GPU builds).
    Measured on the H200 (`python -m loadtest bench encoder`): ID card 10.8 → 6.9 ms per image in a batch of 4,
    outputs identical (max |Δ| 0); A4 pages, already large GEMMs, 36.7 → 34.9 ms. `OCR_VLLM_BATCHED_VISION=0` turns
    it off.
-5. Pixel values in the model's dtype from the frontend (GPU). HunyuanOCR's HF processor returns float32 patches
-   (7.9 MB per ID card, 26 MB per A4 page) and the vision tower's first line casts them to bf16 on the GPU. In
-   between they cross the ZMQ socket to the engine core, whose one busy loop concatenates each step's images into
-   pinned memory and copies them to the GPU: on the H200 with 128 ID cards in flight, py-spy found that loop in
-   `MultiModalFlatField._reduce_data` for 31-38 % of its samples while the GPU was busy only 35-50 % of the time.
-   Cast in the frontend (the renderer's threads) instead: half the bytes on every hop, and bit-identical tower
-   inputs (float32 → bf16 rounds to nearest-even on CPU and GPU alike). `OCR_VLLM_PIXELS_IN_MODEL_DTYPE=0` turns
-   it off.
 """
 
 from __future__ import annotations
@@ -51,8 +43,6 @@ def register() -> None:
     if not current_platform.is_cpu():
         if os.environ.get("OCR_VLLM_BATCHED_VISION", "1") != "0":
             _patch_hunyuan_vision_batched()
-        if os.environ.get("OCR_VLLM_PIXELS_IN_MODEL_DTYPE", "1") != "0":
-            _patch_hunyuan_pixels_in_model_dtype()
         return
     _patch_cpu_linear_contiguous()
     _patch_lora_base_rows()
@@ -197,35 +187,3 @@ def _patch_hunyuan_vision_batched() -> None:
 
     init_logger("vllm.ocr_service_plugin").info("ocr-service vLLM plugin: HunyuanOCR vision tower batched per step")
 
-
-def pixels_in_model_dtype(outputs, model_dtype):
-    """The processor's outputs with floating `pixel_values` cast to a 16-bit model dtype (fix 5); other outputs and
-    other model dtypes as they are."""
-    import torch
-
-    pixels = outputs.get("pixel_values") if hasattr(outputs, "get") else None
-    if model_dtype in (torch.bfloat16, torch.float16) and isinstance(pixels, torch.Tensor) and \
-            pixels.is_floating_point() and pixels.dtype != model_dtype:
-        outputs["pixel_values"] = pixels.to(model_dtype)
-    return outputs
-
-
-def _patch_hunyuan_pixels_in_model_dtype() -> None:
-    try:
-        from vllm.model_executor.models.hunyuan_vision import HunYuanVLMultiModalProcessor
-    except ImportError:  # no native HunyuanOCR model in this vLLM
-        return
-    original = HunYuanVLMultiModalProcessor._call_hf_processor
-    if getattr(original, _PATCHED_MARK, False):
-        return
-
-    @functools.wraps(original)
-    def _call_hf_processor(self, prompt, mm_data, mm_kwargs, tok_kwargs):
-        outputs = original(self, prompt, mm_data, mm_kwargs, tok_kwargs)
-        return pixels_in_model_dtype(outputs, self.info.ctx.model_config.dtype)
-
-    setattr(_call_hf_processor, _PATCHED_MARK, True)
-    HunYuanVLMultiModalProcessor._call_hf_processor = _call_hf_processor
-    from vllm.logger import init_logger
-
-    init_logger("vllm.ocr_service_plugin").info("ocr-service vLLM plugin: HunyuanOCR pixel values in the model dtype")
