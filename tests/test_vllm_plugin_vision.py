@@ -182,4 +182,3 @@ def test_no_patch_where_vllm_has_no_native_hunyuan_tower():
 
     assert importlib.util.find_spec("vllm.model_executor.models.hunyuan_vision") is None
     vllm_plugin._patch_hunyuan_vision_batched()
-

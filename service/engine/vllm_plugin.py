@@ -186,4 +186,3 @@ def _patch_hunyuan_vision_batched() -> None:
     from vllm.logger import init_logger
 
     init_logger("vllm.ocr_service_plugin").info("ocr-service vLLM plugin: HunyuanOCR vision tower batched per step")
-
