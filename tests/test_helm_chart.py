@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from tests.fixtures.helm import (CHART_DIR, CRD_DIR, REPO, ci_values_files, find, is_custom, lint_chart,
-                                 render_chart, rendered_objects, validate_builtin, validate_custom_resource,
-                                 validate_values)
+                                 load_values, render_chart, rendered_objects, validate_builtin,
+                                 validate_custom_resource, validate_values)
 
 SCENARIOS = ["default"] + [p.name.removesuffix("-values.yaml") for p in ci_values_files()]
 
@@ -101,6 +101,7 @@ def test_builtin_check_catches_unknown_fields(chart_renders):
     ({"autoscaling": {"maxReplicas": 0}}, "maxReplicas"),
     ({"autoscaling": {"latencyDownscaleRatio": 2}}, "latencyDownscaleRatio"),
     ({"engine": {"gpusPerReplica": "one"}}, "gpusPerReplica"),
+    ({"engine": {"replicasPerGpu": 0}}, "replicasPerGpu"),
     ({"redis": {"external": {"url": "http://not-redis"}}}, "url"),
     ({"ingress": {"enable": True}}, "enable"),                                # unknown key
     ({"upgradeStrategy": "Rolling"}, "upgradeStrategy"),
@@ -169,15 +170,19 @@ def test_serve_config_builds_the_app(chart_renders, scenario, tmp_path, monkeypa
     rayservice = find(objects, "RayService")[0]
     workers = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     gpus = int(workers["rayStartParams"]["num-gpus"])
-    assert engine.ray_actor_options["num_gpus"] == gpus  # one engine replica per worker pod
-    assert float(workers["rayStartParams"]["num-cpus"]) == engine.ray_actor_options["num_cpus"]
+    values = load_values(None if scenario == "default" else CHART_DIR / "ci" / f"{scenario}-values.yaml")
+    per_gpu = (values.get("engine") or {}).get("replicasPerGpu", 1)
+    # a worker pod holds exactly per_gpu engine replicas: they take all its GPU and all the CPUs it advertises
+    assert engine.ray_actor_options["num_gpus"] * per_gpu == pytest.approx(gpus)
+    assert float(workers["rayStartParams"]["num-cpus"]) == engine.ray_actor_options["num_cpus"] * per_gpu
     if gpus:
         limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert limits["nvidia.com/gpu"] == gpus == 1
     autoscaling = engine._deployment_config.autoscaling_config
     if rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"]:
         assert autoscaling is not None
-        assert (autoscaling.min_replicas, autoscaling.max_replicas) == (workers["minReplicas"], workers["maxReplicas"])
+        assert (autoscaling.min_replicas, autoscaling.max_replicas) == \
+            (workers["minReplicas"] * per_gpu, workers["maxReplicas"] * per_gpu)
         if args.get("latency_target_ms"):
             assert autoscaling.policy.policy_function == "service.serve.autoscaling:QueueLatencyPolicy"
             assert autoscaling.policy.policy_kwargs["latency_target_ms"] == args["latency_target_ms"]
@@ -185,7 +190,20 @@ def test_serve_config_builds_the_app(chart_renders, scenario, tmp_path, monkeypa
             assert autoscaling.policy.is_default_policy_function()
     else:
         assert autoscaling is None
-        assert engine.num_replicas == workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"]
+        assert engine.num_replicas == workers["replicas"] * per_gpu
+        assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"]
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"engine": {"replicasPerGpu": 2}}, "kv_cache_memory_gb"),
+    ({"engine": {"replicasPerGpu": 2, "gpusPerReplica": 2}, "settings": {"kv_cache_memory_gb": 8}}, "gpusPerReplica=1"),
+    ({"engine": {"replicasPerGpu": 2, "gpusPerReplica": 0}, "settings": {"engine": "embedded"}}, "engine=vllm"),
+])
+def test_engines_share_a_gpu_only_where_that_works(values, message):
+    """Two vLLM engines per GPU need fixed KV caches (each would count the other's memory while sizing its own from
+    gpu_memory_utilization) and exactly one GPU per pod; the embedded engine has no GPU to share."""
+    with pytest.raises(Exception, match=message):
+        render_chart(values)
 
 
 def test_ingress_body_size_and_timeouts_follow_settings():

@@ -86,10 +86,12 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
 {{- define "ocr.serveArgs" -}}
 {{- $args := deepCopy .Values.settings -}}
 {{- $as := .Values.autoscaling -}}
+{{- /* replica counts in values are worker pods (GPUs); Serve counts engine replicas, replicasPerGpu per pod */ -}}
+{{- $perGpu := int (default 1 .Values.engine.replicasPerGpu) -}}
 {{- if $as.enabled -}}
-{{- $_ := set $args "min_replicas" (int $as.minReplicas) -}}
-{{- $_ := set $args "max_replicas" (int $as.maxReplicas) -}}
-{{- if not (kindIs "invalid" $as.initialReplicas) -}}{{- $_ := set $args "initial_replicas" (int $as.initialReplicas) -}}{{- end -}}
+{{- $_ := set $args "min_replicas" (mul (int $as.minReplicas) $perGpu) -}}
+{{- $_ := set $args "max_replicas" (mul (int $as.maxReplicas) $perGpu) -}}
+{{- if not (kindIs "invalid" $as.initialReplicas) -}}{{- $_ := set $args "initial_replicas" (mul (int $as.initialReplicas) $perGpu) -}}{{- end -}}
 {{- $_ := set $args "target_ongoing_requests" $as.targetOngoingRequests -}}
 {{- $_ := set $args "upscale_delay_s" $as.upscaleDelaySeconds -}}
 {{- $_ := set $args "downscale_delay_s" $as.downscaleDelaySeconds -}}
@@ -98,10 +100,14 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
 {{- $_ := set $args "latency_target_ms" $as.latencyTargetMs -}}
 {{- $_ := set $args "latency_downscale_ratio" $as.latencyDownscaleRatio -}}
 {{- else -}}
-{{- $_ := set $args "min_replicas" (int .Values.engine.replicas) -}}
-{{- $_ := set $args "max_replicas" (int .Values.engine.replicas) -}}
+{{- $_ := set $args "min_replicas" (mul (int .Values.engine.replicas) $perGpu) -}}
+{{- $_ := set $args "max_replicas" (mul (int .Values.engine.replicas) $perGpu) -}}
 {{- end -}}
+{{- if gt $perGpu 1 -}}
+{{- $_ := set $args "engine_num_gpus" (divf 1 $perGpu) -}}
+{{- else -}}
 {{- $_ := set $args "engine_num_gpus" (int .Values.engine.gpusPerReplica) -}}
+{{- end -}}
 {{- $_ := set $args "engine_num_cpus" .Values.engine.rayCpusPerReplica -}}
 {{- if eq (default "embedded" .Values.settings.engine) "vllm" -}}
 {{- $_ := set $args "model" .Values.model.path -}}
