@@ -645,6 +645,9 @@ class Bench:
                 comparisons.append({
                     "level": level, "service": service_name, "raw": raw_name,
                     "throughput_ratio": round((s["docs_per_s"] or 0) / r["docs_per_s"], 3),
+                    # clients ÷ mean latency on both sides: free of the window's wave counting (loadtest/run.py)
+                    "throughput_ratio_little": round(s["docs_per_s_little"] / r["docs_per_s_little"], 3)
+                    if s.get("docs_per_s_little") and r.get("docs_per_s_little") else None,
                     "p50_delta_ms": _delta(s["latency_ms_p50"], r["latency_ms_p50"]),
                     "p95_delta_ms": _delta(s["latency_ms_p95"], r["latency_ms_p95"]),
                 })
@@ -694,12 +697,13 @@ class Bench:
         if matmul:
             lines += [f"Measured matmul: **{matmul['tflops']} TFLOP/s** ({matmul['dtype']}, {matmul['n']}³, "
                       f"{matmul['device']})", ""]
-        lines += ["| workload | server | concurrency | docs/s | p50 ms | p95 ms | p99 ms | goodput | errors | "
-                  "output tokens (mean) | where the time went (ms) | GPU busy % | busiest processes (CPU %) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| workload | server | concurrency | docs/s | docs/s (Little) | p50 ms | p95 ms | p99 ms | goodput | "
+                  "errors | output tokens (mean) | where the time went (ms) | GPU busy % | busiest processes (CPU %) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for s in self.steps:
             part, workload = s["label"].split("/", 1)
-            lines.append(f"| {workload} | {part} | {s['level']:g} | {s['docs_per_s']} | {s['latency_ms_p50']} | "
+            lines.append(f"| {workload} | {part} | {s['level']:g} | {s['docs_per_s']} | "
+                         f"{_or_dash(s.get('docs_per_s_little'))} | {s['latency_ms_p50']} | "
                          f"{s['latency_ms_p95']} | {s['latency_ms_p99']} | {s['goodput']} | {s['errors']} | "
                          f"{s.get('output_tokens_mean')} | {breakdown(s)} | {_or_dash(s.get('gpu_util_pct'))} | "
                          f"{busiest(s)} |")
@@ -710,8 +714,9 @@ class Bench:
                       "|---|---|---|---|---|---|---|---|---|"]
             for name, a in analysis.items():
                 comp = a.get("service_vs_raw", [])
-                ratios = ", ".join(f"{c['level']:g}: {c['throughput_ratio']} ({c['service']}/{c['raw']})"
-                                   for c in comp) or "-"
+                ratios = ", ".join(f"{c['level']:g}: {c['throughput_ratio']}"
+                                   + (f" (Little {c['throughput_ratio_little']})" if c.get("throughput_ratio_little")
+                                      else "") + f" ({c['service']}/{c['raw']})" for c in comp) or "-"
                 p50 = ", ".join(f"{c['level']:g}: {c['p50_delta_ms']:+}" for c in comp
                                 if c["p50_delta_ms"] is not None) or "-"
                 raw_peak = a.get("best_raw", {})

@@ -90,6 +90,20 @@ def test_goodput_and_error_rates_count_the_window():
     assert summary["error_codes"] == {"rate_limited": 1, "internal_error": 1}
 
 
+def test_littles_law_throughput_does_not_depend_on_the_window_edges():
+    """4 clients that each need 5 s per answer, started together: answers come in waves at 5, 10, 15 s. A window
+    from 3 to 13 s counts 2 waves (0.8/s), one from 3 to 16 s 3 waves (0.92/s); clients ÷ latency says 0.8/s for
+    both. With one failure in four, only the successes count."""
+    waves = [run.Sample(5.0 * k, 5.0, 200, True) for k in range(3) for _ in range(4)]  # start_s, latency
+    short = run.StepResult("t", "closed", 4, duration_s=13.0, warmup_s=3.0, samples=waves).summary(None)
+    long = run.StepResult("t", "closed", 4, duration_s=16.0, warmup_s=3.0, samples=waves).summary(None)
+    assert (short["docs_per_s"], long["docs_per_s"]) == (0.8, 0.923)
+    assert short["docs_per_s_little"] == long["docs_per_s_little"] == 0.8
+    failed = [run.Sample(0.0, 5.0, 500, False, "internal_error")] + waves[1:4]
+    assert run.StepResult("t", "closed", 4, 6.0, 0.0, failed).summary(None)["docs_per_s_little"] == 0.6
+    assert run.StepResult("t", "open", 4, 16.0, 3.0, waves).summary(None)["docs_per_s_little"] is None
+
+
 def test_locust_file_runs_headless(embedded_url, tmp_path):
     env = {**os.environ, "OCR_LOADTEST_WORKLOAD": "id_card", "OCR_LOADTEST_DOCS": "1"}
     proc = subprocess.run(
