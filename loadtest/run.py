@@ -441,8 +441,8 @@ async def warm_up(base_url: str, target: Target, requests: list[Request], count:
 # --- output -------------------------------------------------------------------------------------------------------
 
 CSV_COLUMNS = ["label", "mode", "level", "window_s", "answers", "ok", "errors", "rate_limited", "cancelled",
-               "docs_per_s", "docs_per_s_little", "output_tokens_per_s", "latency_ms_mean", "latency_ms_p50", "latency_ms_p95",
-               "latency_ms_p99", "error_rate", "rate_429", "slo_ms", "goodput"]
+               "docs_per_s", "docs_per_s_little", "output_tokens_per_s", "latency_ms_mean", "latency_ms_p50",
+               "latency_ms_p95", "latency_ms_p99", "error_rate", "rate_429", "slo_ms", "goodput"]
 
 
 def write_outputs(out_dir: Path, steps: list[dict[str, Any]], meta: dict[str, Any], *, plot: bool = True) -> dict:
