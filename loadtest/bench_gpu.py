@@ -356,10 +356,19 @@ class Bench:
         for w in self.workloads:
             requests = run.build_requests(target, [w.job], docs_per_job=docs, documents=self.documents)
             started = time.perf_counter()
+            first: list[run.Sample] = []
+            if w is self.workloads[0]:
+                # one request at a time first, on new connections so every API server process gets some: vLLM
+                # builds its HF processor on first use per process, and a concurrent first burst builds it once
+                # per request (67-81 s for 8 on the H200; py-spy: tokenizer deep copies)
+                servers = int(part.removeprefix("raw_api")) if part.startswith("raw_api") else 1
+                first = await run.warm_up(url, target, requests, count=1 if servers == 1 else 4 * servers,
+                                          concurrency=1, fresh_connections=True)
             warm = await run.warm_up(url, target, requests, count=max(2, min(8, max(w.levels))),
                                      concurrency=max(1, min(8, max(w.levels))))
             warm_ms = [round(s.latency_s * 1000, 1) for s in warm]
-            self.log(f"{part}/{w.name}: warm-up {len(warm)} requests in {time.perf_counter() - started:.1f}s")
+            self.log(f"{part}/{w.name}: warm-up {len(first)} requests one by one, then {len(warm)} at once, in "
+                     f"{time.perf_counter() - started:.1f}s")
             label = f"{part}/{w.name}"
 
             def on_step(summary: dict[str, Any]) -> None:
@@ -368,6 +377,8 @@ class Bench:
                 self.save()
 
             entry: dict[str, Any] = {"warmup_ms": warm_ms, "steps": []}
+            if first:
+                entry["first_requests_ms"] = [round(s.latency_s * 1000, 1) for s in first]
             part_result[w.name] = entry
             for level in w.levels:
                 duration, warmup = self.step_timing(w, level, entry["steps"])

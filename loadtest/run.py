@@ -253,11 +253,13 @@ async def _send(session, url: str, target: Target, request: Request, t0: float, 
         return Sample(start - t0, time.perf_counter() - start, 0, False, f"client_{type(exc).__name__}")
 
 
-def _session(concurrency_hint: int):
+def _session(concurrency_hint: int, fresh_connections: bool = False):
     import aiohttp
 
-    # one connection per in-flight request (no client-side queueing); keep-alive like a real client pool
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False, enable_cleanup_closed=True)
+    # one connection per in-flight request (no client-side queueing); keep-alive like a real client pool, or a new
+    # connection per request (several server processes behind one port each get some: the kernel spreads them)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=fresh_connections,
+                                     enable_cleanup_closed=True)
     return aiohttp.ClientSession(connector=connector)
 
 
@@ -424,10 +426,11 @@ async def sweep(base_url: str, target: Target, requests: list[Request], *, mode:
 
 
 async def warm_up(base_url: str, target: Target, requests: list[Request], count: int, concurrency: int = 1,
-                  timeout_s: float = 900.0) -> list[Sample]:
-    """Unmeasured requests (first-request compilation, caches); raises if none succeeded."""
+                  timeout_s: float = 900.0, fresh_connections: bool = False) -> list[Sample]:
+    """Unmeasured requests (first-request compilation, caches); raises if none succeeded. `fresh_connections`: a new
+    connection per request, so that every server process behind the port gets some."""
     url = base_url.rstrip("/") + target.path
-    async with _session(concurrency) as session:
+    async with _session(concurrency, fresh_connections) as session:
         t0 = time.perf_counter()
         samples: list[Sample] = []
         for start in range(0, count, concurrency):
