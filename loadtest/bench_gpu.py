@@ -69,13 +69,18 @@ VLLM_HISTOGRAMS = {
 
 
 
+VARIANT_PREFIXES = {"raw": "raw_api", "service": "service_x"}  # raw_api4: 4 API servers; service_x2: 2 engines
+
+
 def base_part(name: str) -> str:
     """The part a variant belongs to: raw_api4 → raw, service_x2 → service; others are their own."""
-    if name.startswith("raw_api"):
-        return "raw"
-    if name.startswith("service_x"):
-        return "service"
-    return name
+    return next((part for part, prefix in VARIANT_PREFIXES.items() if name.startswith(prefix)), name)
+
+
+def variant_count(name: str) -> int:
+    """API servers (raw_apiN) or engines sharing the GPU (service_xN) of a variant; 1 for plain parts."""
+    prefix = VARIANT_PREFIXES.get(base_part(name))
+    return int(name.removeprefix(prefix)) if prefix and name.startswith(prefix) else 1
 
 
 def expand_parts(parts: list[str], raw_api_servers: list[int], service_engines: list[int]) -> list[str]:
@@ -83,9 +88,9 @@ def expand_parts(parts: list[str], raw_api_servers: list[int], service_engines: 
     out: list[str] = []
     for part in parts:
         if part == "raw":
-            out += ["raw" if n == 1 else f"raw_api{n}" for n in raw_api_servers]
+            out += ["raw" if n == 1 else f"{VARIANT_PREFIXES['raw']}{n}" for n in raw_api_servers]
         elif part == "service":
-            out += ["service" if n == 1 else f"service_x{n}" for n in service_engines]
+            out += ["service" if n == 1 else f"{VARIANT_PREFIXES['service']}{n}" for n in service_engines]
         else:
             out.append(part)
     return out
@@ -361,7 +366,7 @@ class Bench:
                 # one request at a time first, on new connections so every API server process gets some: vLLM
                 # builds its HF processor on first use per process, and a concurrent first burst builds it once
                 # per request (67-81 s for 8 on the H200; py-spy: tokenizer deep copies)
-                servers = int(part.removeprefix("raw_api")) if part.startswith("raw_api") else 1
+                servers = variant_count(part)
                 first = await run.warm_up(url, target, requests, count=1 if servers == 1 else 4 * servers,
                                           concurrency=1, fresh_connections=True)
             warm = await run.warm_up(url, target, requests, count=max(2, min(8, max(w.levels))),
@@ -496,8 +501,8 @@ class Bench:
             engine_args.pop("renderer_num_workers", None)
         if name == "raw_cached":
             engine_args.pop("mm_processor_cache_gb", None)
-        if name.startswith("raw_api"):
-            engine_args["api_server_count"] = int(name.removeprefix("raw_api"))
+        if variant_count(name) > 1:
+            engine_args["api_server_count"] = variant_count(name)
         template = raw_chat_template(self.kit, self.out)
         if template is not None:
             engine_args["chat_template"] = str(template)
@@ -529,7 +534,7 @@ class Bench:
         """`service`: one engine replica on the GPU; `service_xN`: N engine replicas share it (each 1/N of the GPU
         and 1/N of the KV cache one engine gets at the 24 GB budget), so N frontend processes feed the GPU."""
         settings = dict(self.settings)
-        engines = int(name.removeprefix("service_x")) if name.startswith("service_x") else 1
+        engines = variant_count(name)
         if engines > 1:
             settings.update(min_replicas=engines, max_replicas=engines)
             if not self.args.tiny:  # the CPU dry run has no GPU to share

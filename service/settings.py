@@ -115,8 +115,8 @@ class Settings(BaseSettings):
         "images/s, and this per-image CPU work caps a replica's throughput (docs/BENCHMARKS.md)."
     )
     preprocess_workers: int = Field(
-        8, ge=1, le=64, description="Threads that decode and preprocess images for the engine (vLLM "
-        "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (preprocess time per page)."
+        8, ge=1, le=64, description="Threads that run the HF image processor for the engine (vLLM "
+        "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (processor time per page)."
     )
     max_output_tokens: int = Field(
         2048, ge=1, description="Default and upper bound of output tokens per request (budgeted with the image)."

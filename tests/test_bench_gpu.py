@@ -119,6 +119,7 @@ def test_parts_expand_into_variants_and_map_back():
     assert parts == ["matmul", "raw", "raw_api4", "raw_stock", "service", "service_x2", "hf"]
     assert [bench_gpu.base_part(p) for p in parts] == ["matmul", "raw", "raw", "raw_stock", "service", "service",
                                                        "hf"]
+    assert [bench_gpu.variant_count(p) for p in parts] == [1, 1, 4, 1, 1, 2, 1]
     assert bench_gpu.preflight(["raw_api4", "service_x2"]).keys() <= {"raw_api4", "service_x2"}
     with pytest.raises(SystemExit):  # argparse error: not a list of distinct positive counts
         bench_gpu.main(["--raw-api-servers", "0,4", "--parts", "raw"])
