@@ -14,7 +14,6 @@ Writes OUT/preprocess.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import tempfile
@@ -33,11 +32,10 @@ def _processor(kit: Path, backend: str):
 
 
 def _decode(png: bytes):
-    from PIL import Image
+    """The engine's own PNG decode (what runs before the processor in a replica)."""
+    from service.engine.vllm_engine import _png_to_image
 
-    image = Image.open(io.BytesIO(png))
-    image.load()
-    return image.convert("RGB")
+    return _png_to_image(png)
 
 
 def packing_check(kit: Path, png: bytes) -> dict[str, Any]:
