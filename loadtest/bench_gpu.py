@@ -36,6 +36,7 @@ import dataclasses
 import gc
 import importlib.util
 import json
+import re
 import os
 import tempfile
 import time
@@ -70,27 +71,46 @@ VLLM_HISTOGRAMS = {
 
 
 VARIANT_PREFIXES = {"raw": "raw_api", "service": "service_x"}  # raw_api4: 4 API servers; service_x2: 2 engines
+# a part name may end in @LABEL: the same server with the engine arguments `--variant LABEL:NAME=VALUE` defines
+# (raw@fp8, service_x2@fp8), so engine settings are compared side by side in one run
+LABEL_SEP = "@"
+
+
+def split_label(name: str) -> tuple[str, str | None]:
+    """`raw_api4@fp8` → (`raw_api4`, `fp8`); `raw` → (`raw`, None)."""
+    core, sep, label = name.partition(LABEL_SEP)
+    return core, (label if sep else None)
 
 
 def base_part(name: str) -> str:
-    """The part a variant belongs to: raw_api4 → raw, service_x2 → service; others are their own."""
-    return next((part for part, prefix in VARIANT_PREFIXES.items() if name.startswith(prefix)), name)
+    """The part a variant belongs to: raw_api4 → raw, service_x2@fp8 → service; others are their own."""
+    core, _ = split_label(name)
+    return next((part for part, prefix in VARIANT_PREFIXES.items() if core.startswith(prefix)), core)
 
 
 def variant_count(name: str) -> int:
     """API servers (raw_apiN) or engines sharing the GPU (service_xN) of a variant; 1 for plain parts."""
-    prefix = VARIANT_PREFIXES.get(base_part(name))
-    return int(name.removeprefix(prefix)) if prefix and name.startswith(prefix) else 1
+    core, _ = split_label(name)
+    prefix = VARIANT_PREFIXES.get(base_part(core))
+    return int(core.removeprefix(prefix)) if prefix and core.startswith(prefix) else 1
+
+
+def file_stem(name: str) -> str:
+    """A part or step name as a plain file name (raw@fp8/a4 → raw--fp8-a4): some copiers refuse other characters."""
+    return name.replace(LABEL_SEP, "--").replace("/", "-")
 
 
 def expand_parts(parts: list[str], raw_api_servers: list[int], service_engines: list[int]) -> list[str]:
-    """`raw` once per API-server count (raw, raw_api4, …), `service` once per engine count (service_x2, …)."""
+    """`raw` once per API-server count (raw, raw_api4, …), `service` once per engine count (service_x2, …); a
+    label stays on every expansion (raw@fp8 → raw@fp8, raw_api4@fp8)."""
     out: list[str] = []
     for part in parts:
-        if part == "raw":
-            out += ["raw" if n == 1 else f"{VARIANT_PREFIXES['raw']}{n}" for n in raw_api_servers]
-        elif part == "service":
-            out += ["service" if n == 1 else f"{VARIANT_PREFIXES['service']}{n}" for n in service_engines]
+        core, label = split_label(part)
+        suffix = f"{LABEL_SEP}{label}" if label else ""
+        if core == "raw":
+            out += [("raw" if n == 1 else f"{VARIANT_PREFIXES['raw']}{n}") + suffix for n in raw_api_servers]
+        elif core == "service":
+            out += [("service" if n == 1 else f"{VARIANT_PREFIXES['service']}{n}") + suffix for n in service_engines]
         else:
             out.append(part)
     return out
@@ -223,10 +243,24 @@ def measure_matmul(tiny: bool, seconds: float = 3.0) -> dict[str, Any]:
         sync()
     elapsed = time.perf_counter() - started
     del a, b
+    result = {"device": device, "dtype": str(dtype).replace("torch.", ""), "n": n,
+              "tflops": float(f"{2 * n**3 * count / elapsed / 1e12:.3g}")}
+    # memory bandwidth: decode steps read every sequence's KV cache, so decode is bound by bytes, not FLOPs
+    src = torch.empty(2**30 if device == "cuda" else 2**26, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync()
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds / 3:
+        for _ in range(10):
+            dst.copy_(src)
+        count += 10
+        sync()
+    result["memory_gb_per_s"] = float(f"{2 * src.numel() * count / (time.perf_counter() - started) / 1e9:.4g}")
+    del src, dst
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"device": device, "dtype": str(dtype).replace("torch.", ""), "n": n,
-            "tflops": float(f"{2 * n**3 * count / elapsed / 1e12:.3g}")}
+    return result
 
 
 def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int, height: int, text_tokens: int,
@@ -235,7 +269,10 @@ def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int,
     ViT: patch embedding, per layer q/k/v/o + MLP (2·N·params) and full attention over the image's N patches
     (4·N²·d), patch merger; LM prefill over image + text tokens (2·T·params + causal attention 2·T²·h·hd per
     layer)
-    and decode (per token 2·params + attention over the context + the LM head)."""
+    and decode (per token 2·params + attention over the context + the LM head).
+    Also the bytes decode must read: every decode step reads the sequence's whole KV cache (layers × 2 × KV heads
+    × head_dim values per token of context), `decode_kv_gb` at bf16 (half of it with an fp8 KV cache). The
+    weights a step reads are shared by the whole batch and left out."""
     from service.admission.budget import image_tokens_for, smart_resize
 
     v, t = config["vision_config"], config["text_config"]
@@ -259,8 +296,23 @@ def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int,
     prefill = 2 * prompt * layer_params * layers + layers * 2 * heads * hd * prompt * prompt + 2 * lm_head
     decode = sum(2 * layer_params * layers + layers * 4 * heads * hd * (prompt + i) + 2 * lm_head
                  for i in range(output_tokens))
+    kv_values_per_token = layers * 2 * kv * hd
+    decode_kv_bytes = sum(2 * kv_values_per_token * (prompt + i) for i in range(output_tokens))
     return {"patches": n, "prompt_tokens": prompt, "vit_tflop": vit / 1e12, "prefill_tflop": prefill / 1e12,
-            "decode_tflop": decode / 1e12, "total_tflop": (vit + prefill + decode) / 1e12}
+            "decode_tflop": decode / 1e12, "total_tflop": (vit + prefill + decode) / 1e12,
+            "decode_kv_gb": decode_kv_bytes / 1e9}
+
+
+def roofline_docs_per_s(flops: dict[str, float], tflops: float, gb_per_s: float | None,
+                        kv_bytes: int = 2) -> float:
+    """Documents/s if the GPU did nothing but this document's work at the measured rates: the ViT and prefill at
+    `tflops`; decode at the slower of its FLOPs and its KV-cache reads (`kv_bytes` per value: 2 bf16, 1 fp8) at
+    `gb_per_s`. Without a bandwidth, the compute-only bound."""
+    compute_s = (flops["vit_tflop"] + flops["prefill_tflop"]) / tflops
+    decode_s = flops["decode_tflop"] / tflops
+    if gb_per_s:
+        decode_s = max(decode_s, flops["decode_kv_gb"] * kv_bytes / 2 / gb_per_s)
+    return 1 / (compute_s + decode_s)
 
 
 # --- parts ----------------------------------------------------------------------------------------------------
@@ -426,7 +478,7 @@ class Bench:
         recorders = []
         (self.out / "profiles").mkdir(parents=True, exist_ok=True)
         for pid, kind in busiest_pids(cpu_before, now, self.args.py_spy_processes, exclude):
-            path = self.out / "profiles" / f"{label.replace('/', '-')}-{level:g}-{pid}.txt"
+            path = self.out / "profiles" / f"{file_stem(label)}-{level:g}-{pid}.txt"
             proc = record_stacks(pid, max(2.0, seconds), str(path))
             if proc is not None:
                 recorders.append((pid, kind, path, proc))
@@ -494,26 +546,18 @@ class Bench:
           reconstruction of how the reference numbers in shared/gpu/README.md ran (its flags list turns prefix
           caching off but not the processor cache). Repeated pages hit the processor cache and share encoder
           outputs, so this measures a cache, not OCR of new pages."""
-        stock = name in ("raw_stock", "raw_cached")
-        engine_args = raw_engine_args(self.settings)
-        engine_args.pop("disable_log_stats", None)  # its /metrics histograms say where each request's time went
-        if stock:
-            engine_args.pop("renderer_num_workers", None)
-        if name == "raw_cached":
-            engine_args.pop("mm_processor_cache_gb", None)
-        if variant_count(name) > 1:
-            engine_args["api_server_count"] = variant_count(name)
+        stock = base_part(name) in ("raw_stock", "raw_cached")
+        engine_args = self.raw_variant_engine_args(name)
         template = raw_chat_template(self.kit, self.out)
         if template is not None:
             engine_args["chat_template"] = str(template)
-        if not stock and _server_requires_mm_kwargs_trust():
-            engine_args["trust_request_mm_kwargs"] = True  # newer vLLM: per-request mm_processor_kwargs opt-in
         self.results["parts"][name] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
         started = time.monotonic()
         env = dict(OFFLINE_ENV)
         if self.args.tiny:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.get("kv_cache_memory_gb") or 1))
-        proc, url = start_vllm_server(self.kit, engine_args, log_path=self.out / "logs" / f"vllm-serve-{name}.log",
+        log_path = self.out / "logs" / f"vllm-serve-{file_stem(name)}.log"
+        proc, url = start_vllm_server(self.kit, engine_args, log_path=log_path,
                                       served_model_name=SERVED_NAME, ready_timeout_s=max(60.0, self.left()),
                                       extra_env=env)
         try:
@@ -525,15 +569,38 @@ class Bench:
             target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts, mm_processor_kwargs=kwargs)
             asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts),
                                            scrape=lambda: vllm_histograms(url),
-                                           docs=1 if name == "raw_cached" else None))
+                                           docs=1 if base_part(name) == "raw_cached" else None))
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} vllm serve stopped")
+
+    def raw_variant_engine_args(self, name: str) -> dict[str, Any]:
+        """The raw server's engine arguments for part `name` (see part_raw), without the chat template."""
+        core = base_part(name)
+        engine_args = raw_engine_args(self.settings)
+        engine_args.pop("disable_log_stats", None)  # its /metrics histograms say where each request's time went
+        if core in ("raw_stock", "raw_cached"):
+            engine_args.pop("renderer_num_workers", None)
+        elif _server_requires_mm_kwargs_trust():
+            engine_args["trust_request_mm_kwargs"] = True  # newer vLLM: per-request mm_processor_kwargs opt-in
+        if core == "raw_cached":
+            engine_args.pop("mm_processor_cache_gb", None)
+        if variant_count(name) > 1:
+            engine_args["api_server_count"] = variant_count(name)
+        engine_args.update(self.label_engine_args(name))
+        return engine_args
+
+    def label_engine_args(self, name: str) -> dict[str, Any]:
+        """The engine arguments of a part's @LABEL (`--variant LABEL:NAME=VALUE`); none for an unlabelled part."""
+        _, label = split_label(name)
+        return dict(self.args.variants.get(label, {})) if label else {}
 
     def service_variant_settings(self, name: str) -> dict[str, Any]:
         """`service`: one engine replica on the GPU; `service_xN`: N engine replicas share it (each 1/N of the GPU
         and 1/N of the KV cache one engine gets at the 24 GB budget), so N frontend processes feed the GPU."""
         settings = dict(self.settings)
+        if self.label_engine_args(name):
+            settings["vllm_extra_args"] = {**settings.get("vllm_extra_args", {}), **self.label_engine_args(name)}
         engines = variant_count(name)
         if engines > 1:
             settings.update(min_replicas=engines, max_replicas=engines)
@@ -550,7 +617,7 @@ class Bench:
         if settings != self.settings:
             self.results["parts"][name]["settings"] = {k: v for k, v in settings.items() if self.settings.get(k) != v}
         started = time.monotonic()
-        proc, url = start_service(settings, log_path=self.out / "logs" / f"{name}.log",
+        proc, url = start_service(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
                                   ready_timeout_s=max(60.0, self.left()), extra_env=OFFLINE_ENV)
         try:
             self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
@@ -640,6 +707,7 @@ class Bench:
     def analyse(self) -> None:
         parts = self.results["parts"]
         tflops = (parts.get("matmul") or {}).get("tflops")
+        gb_per_s = (parts.get("matmul") or {}).get("memory_gb_per_s")
         analysis: dict[str, Any] = {}
         for w in self.workloads:
             doc = self.documents[w.job.kind][0]
@@ -649,7 +717,12 @@ class Bench:
             entry: dict[str, Any] = {"flops_per_doc": {k: float(f"{v:.4g}") if isinstance(v, float) else v
                                                        for k, v in flops.items()}}
             if tflops:
-                entry["roofline_docs_per_s"] = float(f"{tflops / flops['total_tflop']:.4g}")
+                # compute only (the issue's roofline), then with decode's KV-cache reads at the measured bandwidth
+                entry["roofline_compute_docs_per_s"] = float(f"{tflops / flops['total_tflop']:.4g}")
+                entry["roofline_docs_per_s"] = float(f"{roofline_docs_per_s(flops, tflops, gb_per_s):.4g}")
+                if gb_per_s:
+                    entry["roofline_fp8_kv_docs_per_s"] = float(
+                        f"{roofline_docs_per_s(flops, tflops, gb_per_s, kv_bytes=1):.4g}")
             peaks = {}
             servers = [name for name in parts if base_part(name) in SERVER_PARTS]
             for name in servers:
@@ -664,24 +737,25 @@ class Bench:
             entry["peak"] = peaks
             # our best service variant against the best raw server at each concurrency (raw_stock and
             # raw_cached are references, not the baseline: one is slower by design, the other measures a cache)
+            # ... with the same engine arguments: service@fp8 against raw@fp8, never against bf16 raw
             comparisons = []
-            raw_best = best_by_level(parts, [n for n in servers if base_part(n) == "raw"], w.name)
-            raw_steps = {level: step for level, (_, step) in raw_best.items()}
-            service_best = best_by_level(parts, [n for n in servers if base_part(n) == "service"], w.name)
-            for level, (service_name, s) in sorted(service_best.items()):
-                if level not in raw_best:
-                    continue
-                raw_name, r = raw_best[level]
-                comparisons.append({
-                    "level": level, "service": service_name, "raw": raw_name,
-                    "throughput_ratio": round((s["docs_per_s"] or 0) / r["docs_per_s"], 3),
-                    # clients ÷ mean latency on both sides: free of the window's wave counting (loadtest/run.py)
-                    "throughput_ratio_little": round(s["docs_per_s_little"] / r["docs_per_s_little"], 3)
-                    if s.get("docs_per_s_little") and r.get("docs_per_s_little") else None,
-                    "p50_delta_ms": _delta(s["latency_ms_p50"], r["latency_ms_p50"]),
-                    "p95_delta_ms": _delta(s["latency_ms_p95"], r["latency_ms_p95"]),
-                })
+            raw_steps = {level: step for level, (_, step) in best_by_level(
+                parts, [n for n in servers if base_part(n) == "raw" and not split_label(n)[1]], w.name).items()}
+            for label in sorted({split_label(n)[1] or "" for n in servers}):
+                same = [n for n in servers if (split_label(n)[1] or "") == label]
+                raw_best = best_by_level(parts, [n for n in same if base_part(n) == "raw"], w.name)
+                service_best = best_by_level(parts, [n for n in same if base_part(n) == "service"], w.name)
+                for level, (service_name, s) in sorted(service_best.items()):
+                    if level in raw_best:
+                        comparisons.append({"level": level, "service": service_name, "raw": raw_best[level][0],
+                                            **step_ratio(s, raw_best[level][1])})
             entry["service_vs_raw"] = comparisons
+            # each @LABEL server against the same server without the label, per concurrency (engine settings)
+            entry["label_vs_plain"] = [
+                {"level": level, "part": name, "plain": split_label(name)[0], **step_ratio(s, plain[level][1])}
+                for name in servers if split_label(name)[1]
+                for plain in [best_by_level(parts, [split_label(name)[0]], w.name)]
+                for level, (_, s) in sorted(best_by_level(parts, [name], w.name).items()) if level in plain]
             for kind in ("raw", "service"):
                 kind_peaks = {n: pk for n, pk in peaks.items() if base_part(n) == kind}
                 if kind_peaks:
@@ -726,7 +800,7 @@ class Bench:
         matmul = r["parts"].get("matmul")
         if matmul:
             lines += [f"Measured matmul: **{matmul['tflops']} TFLOP/s** ({matmul['dtype']}, {matmul['n']}³, "
-                      f"{matmul['device']})", ""]
+                      f"{matmul['device']}); memory copy: {_or_dash(matmul.get('memory_gb_per_s'))} GB/s", ""]
         lines += ["| workload | server | concurrency | docs/s | docs/s (Little) | p50 ms | p95 ms | p99 ms | goodput | "
                   "errors | output tokens (mean) | where the time went (ms) | GPU busy % | busiest processes (CPU %) |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -759,8 +833,16 @@ class Bench:
             lines += ["", "FLOPs per document (TFLOP): " + "; ".join(
                 f"{name}: ViT {a['flops_per_doc']['vit_tflop']}, prefill {a['flops_per_doc']['prefill_tflop']}, "
                 f"decode {a['flops_per_doc']['decode_tflop']}, total {a['flops_per_doc']['total_tflop']} "
-                f"({a['flops_per_doc']['patches']} patches, {a['flops_per_doc']['prompt_tokens']} prompt tokens)"
+                f"({a['flops_per_doc']['patches']} patches, {a['flops_per_doc']['prompt_tokens']} prompt tokens); "
+                f"decode reads {a['flops_per_doc'].get('decode_kv_gb', '-')} GB of bf16 KV cache; roofline "
+                f"compute only {a.get('roofline_compute_docs_per_s', '-')}, with KV reads "
+                f"{a.get('roofline_docs_per_s', '-')} (fp8 KV {a.get('roofline_fp8_kv_docs_per_s', '-')}) docs/s"
                 for name, a in analysis.items())]
+            labelled = [(name, c) for name, a in analysis.items() for c in a.get("label_vs_plain", [])]
+            if labelled:
+                lines += ["", "Engine variants against the same server without them: " + "; ".join(
+                    f"{name} at {c['level']:g}: {c['part']}/{c['plain']} {c['throughput_ratio_little'] or c['throughput_ratio']}×"
+                    f" (p50 {c['p50_delta_ms']:+} ms)" for name, c in labelled if c["p50_delta_ms"] is not None)]
         if r.get("vllm_plugin"):
             lines += ["", "Our vLLM plugin's patches per server log: " + "; ".join(
                 f"{name}: {', '.join(patches) or 'none'}" for name, patches in r["vllm_plugin"].items())]
@@ -865,6 +947,18 @@ def histogram_means(before: dict[str, tuple[float, float]], after: dict[str, tup
     return out
 
 
+def step_ratio(s: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+    """Step `s` against step `r` at the same concurrency: throughput ratios and latency differences."""
+    return {
+        "throughput_ratio": round((s["docs_per_s"] or 0) / r["docs_per_s"], 3),
+        # clients ÷ mean latency on both sides: free of the window's wave counting (loadtest/run.py)
+        "throughput_ratio_little": round(s["docs_per_s_little"] / r["docs_per_s_little"], 3)
+        if s.get("docs_per_s_little") and r.get("docs_per_s_little") else None,
+        "p50_delta_ms": _delta(s["latency_ms_p50"], r["latency_ms_p50"]),
+        "p95_delta_ms": _delta(s["latency_ms_p95"], r["latency_ms_p95"]),
+    }
+
+
 def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 1)
 
@@ -923,6 +1017,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="extra vLLM engine argument for BOTH servers, e.g. max_num_batched_tokens=16384 "
                    "(value parsed as JSON, else a string); repeatable")
+    p.add_argument("--variant", action="append", default=[], type=_variant_arg, metavar="LABEL:NAME=JSON",
+                   help="an engine argument of the servers named PART@LABEL in --parts only, e.g. --variant "
+                   "fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8 (same server twice, side by side); repeatable")
     p.add_argument("--kit-dir", type=Path, default=None, help="where the model kit is written (default: a "
                    "directory under the system temp dir, so it does not travel back with the results)")
     p.add_argument("--merge", type=Path, default=None, help="results.json of an earlier run (same settings): its "
@@ -949,6 +1046,13 @@ def _engine_arg(text: str) -> tuple[str, Any]:
     return name.strip().replace("-", "_"), parsed
 
 
+def _variant_arg(text: str) -> tuple[str, str, Any]:
+    label, sep, rest = text.partition(":")
+    if not sep or not re.fullmatch(r"[a-z0-9_]+", label) or "=" not in rest:
+        raise argparse.ArgumentTypeError(f"expected LABEL:NAME=VALUE with a label of a-z, 0-9 and _, got {text!r}")
+    return (label, *_engine_arg(rest))
+
+
 def apply_defaults(args: argparse.Namespace) -> None:
     tiny = args.tiny
     defaults = {
@@ -964,6 +1068,9 @@ def apply_defaults(args: argparse.Namespace) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.variants = {}
+    for label, name, value in args.variant:
+        args.variants.setdefault(label, {})[name] = value
     try:
         args.py_spy_levels = {float(v) for v in args.py_spy.split(",") if v.strip()}
     except ValueError:
@@ -984,9 +1091,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - set(ALL_PARTS)
+    unknown = {p for p in parts if split_label(p)[0] not in ALL_PARTS}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
+    labels = {split_label(p)[1] for p in parts} - {None}
+    if labels - set(args.variants):
+        parser.error(f"parts name labels {sorted(labels - set(args.variants))} that no --variant defines")
+    if any(split_label(p)[1] and split_label(p)[0] not in SERVER_PARTS for p in parts):
+        parser.error("only server parts take a label (raw@LABEL, service@LABEL, …)")
     parts = expand_parts(parts, _counts(parser, args.raw_api_servers), _counts(parser, args.service_engines))
     bench = Bench(args)
     missing = preflight(parts)

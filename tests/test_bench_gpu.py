@@ -89,6 +89,27 @@ def test_roofline_flops_of_an_a4_page_match_the_hand_count():
     assert 2.2 < flops["prefill_tflop"] < 2.45
     assert 0.75 < flops["decode_tflop"] < 0.85
     assert flops["total_tflop"] == pytest.approx(flops["vit_tflop"] + flops["prefill_tflop"] + flops["decode_tflop"])
+    # every decode step reads the sequence's whole bf16 KV cache: 24 layers × (K, V) × 8 heads × 128 values ×
+    # 2 bytes = 98,304 bytes per token of context; 512 steps over a context of 2,242 + 0…511 tokens ≈ 125.8 GB
+    context = flops["prompt_tokens"] + 255.5
+    assert flops["decode_kv_gb"] == pytest.approx(512 * context * 98_304 / 1e9)
+    assert 120 < flops["decode_kv_gb"] < 130
+
+
+def test_roofline_adds_decodes_kv_reads_at_the_measured_bandwidth():
+    """The compute-only roofline (the issue's ≈ 40 A4 pages/s) treats decode as 0.8 TFLOP; at 4 TB/s its ≈ 125 GB
+    of KV reads take ≈ 31 ms per page, more than the ViT, so the bound falls to ≈ 18 pages/s (≈ 25 with fp8 KV)."""
+    from service.modelkit import model_config, preprocessor_config
+
+    flops = bench_gpu.page_flops(model_config(tiny=False), preprocessor_config(), 1240, 1754, text_tokens=27,
+                                 output_tokens=512)
+    assert bench_gpu.roofline_docs_per_s(flops, 788.0, None) == pytest.approx(788.0 / flops["total_tflop"])
+    with_kv = bench_gpu.roofline_docs_per_s(flops, 788.0, 4000.0)
+    hand = 1 / ((flops["vit_tflop"] + flops["prefill_tflop"]) / 788.0 + flops["decode_kv_gb"] / 4000.0)
+    assert with_kv == pytest.approx(hand) and 17 < with_kv < 19.5
+    assert 24 < bench_gpu.roofline_docs_per_s(flops, 788.0, 4000.0, kv_bytes=1) < 27
+    # with bandwidth to spare, decode is bound by its FLOPs again
+    assert bench_gpu.roofline_docs_per_s(flops, 788.0, 1e9) == pytest.approx(788.0 / flops["total_tflop"], rel=1e-3)
 
 
 def test_raw_client_sends_the_processor_backend_per_request():
@@ -123,6 +144,34 @@ def test_parts_expand_into_variants_and_map_back():
     assert bench_gpu.preflight(["raw_api4", "service_x2"]).keys() <= {"raw_api4", "service_x2"}
     with pytest.raises(SystemExit):  # argparse error: not a list of distinct positive counts
         bench_gpu.main(["--raw-api-servers", "0,4", "--parts", "raw"])
+
+
+def test_labelled_parts_are_the_same_server_with_the_labels_engine_arguments(tmp_path):
+    parts = bench_gpu.expand_parts(["raw", "raw@fp8", "service@fp8", "raw_cached"], [1, 4], [2])
+    assert parts == ["raw", "raw_api4", "raw@fp8", "raw_api4@fp8", "service_x2@fp8", "raw_cached"]
+    assert [bench_gpu.base_part(p) for p in parts] == ["raw", "raw", "raw", "raw", "service", "raw_cached"]
+    assert [bench_gpu.variant_count(p) for p in parts] == [1, 4, 1, 4, 2, 1]
+    assert bench_gpu.split_label("raw_api4@fp8") == ("raw_api4", "fp8")
+    assert bench_gpu.file_stem("raw_api4@fp8/a4") == "raw_api4--fp8-a4"  # log and profile file names
+
+    bench = _bench(tmp_path, variant=[bench_gpu._variant_arg("fp8:kv_cache_dtype=fp8"),
+                                      bench_gpu._variant_arg("fp8:max_num_batched_tokens=16384")])
+    fp8 = {"kv_cache_dtype": "fp8", "max_num_batched_tokens": 16384}
+    plain, labelled = bench.raw_variant_engine_args("raw"), bench.raw_variant_engine_args("raw_api4@fp8")
+    assert {k: v for k, v in labelled.items() if plain.get(k) != v} == {**fp8, "api_server_count": 4}
+    service = bench.service_variant_settings("service_x2@fp8")
+    assert service["vllm_extra_args"] == fp8 and service["engine_num_gpus"] == 0.5
+    assert bench.service_variant_settings("service") == bench.settings  # no label, no extra arguments
+    cached = bench.raw_variant_engine_args("raw_cached")
+    assert "mm_processor_cache_gb" not in cached and "renderer_num_workers" not in cached
+    assert plain["mm_processor_cache_gb"] == 0
+
+    for bad in (["--parts", "raw@fp8"],  # no --variant defines fp8
+                ["--parts", "hf@fp8", "--variant", "fp8:kv_cache_dtype=fp8"],  # only servers take labels
+                ["--parts", "raw", "--variant", "FP8:kv_cache_dtype=fp8"],  # labels are lower case
+                ["--parts", "raw", "--variant", "fp8=kv_cache_dtype"]):
+        with pytest.raises(SystemExit):
+            bench_gpu.main(bad)
 
 
 def _bench(tmp_path, **overrides):
@@ -177,8 +226,37 @@ def test_service_is_compared_with_the_best_raw_server_at_each_concurrency(tmp_pa
          "throughput_ratio_little": 0.941, "p50_delta_ms": 50.0, "p95_delta_ms": 50.0},
     ]
     assert a["best_raw"]["part"] == "raw_api4" and a["best_service"]["part"] == "service_x2"
+    assert a["label_vs_plain"] == []
     assert a["peak"]["raw_cached"]["docs_per_s"] == 120.0  # still reported, under its own name
     assert "raw_api4" in bench.report() and "0.95 (Little 0.941) (service_x2/raw_api4)" in bench.report()
+
+
+def test_labelled_servers_are_compared_with_their_own_kind_and_with_themselves_unlabelled(tmp_path):
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
+    bench.prepare()
+
+    def steps(*rows):
+        return {"id_card": {"steps": [{"level": lvl, "docs_per_s": dps, "latency_ms_p50": p50, "latency_ms_p95": p50,
+                                       "docs_per_s_little": round(lvl / p50 * 1000, 3), "label": "x"}
+                                      for lvl, dps, p50 in rows]}}
+
+    bench.results["parts"] = {
+        "raw": steps((64, 50.0, 1280.0)),
+        "raw@fp8": steps((64, 80.0, 800.0)),
+        "service": steps((64, 49.0, 1306.1)),
+        "service@fp8": steps((64, 72.0, 888.9)),
+        "matmul": {"tflops": 800.0, "memory_gb_per_s": 4000.0, "dtype": "bfloat16", "n": 8192, "device": "cuda"},
+    }
+    bench.analyse()
+    a = bench.results["analysis"]["id_card"]
+    # service against raw with the same engine arguments, never the bf16 service against the fp8 raw server
+    assert [(c["service"], c["raw"], c["throughput_ratio"]) for c in a["service_vs_raw"]] == [
+        ("service", "raw", 0.98), ("service@fp8", "raw@fp8", 0.9)]
+    assert [(c["part"], c["plain"], c["throughput_ratio_little"], c["p50_delta_ms"]) for c in a["label_vs_plain"]] \
+        == [("raw@fp8", "raw", 1.6, -480.0), ("service@fp8", "service", 1.469, -417.2)]
+    assert a["roofline_fp8_kv_docs_per_s"] > a["roofline_docs_per_s"] and a["roofline_compute_docs_per_s"] > 0
+    report = bench.report()
+    assert "raw@fp8/raw 1.6×" in report and "memory copy: 4000 GB/s" in report
 
 
 def test_raw_vllm_serve_starts_the_api_servers_it_is_asked_for(tiny_model_dir, tmp_path):
