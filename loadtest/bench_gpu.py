@@ -570,6 +570,15 @@ class Bench:
             asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts),
                                            scrape=lambda: vllm_histograms(url),
                                            docs=1 if base_part(name) == "raw_cached" else None))
+            if self.args.raw_lean and not split_label(name)[1]:
+                # the same server again, asked what the reference asked: no logprobs, no min_tokens (ignore_eos
+                # alone keeps the output length fixed); results under NAME@lean, compared with NAME
+                lean = f"{name}{LABEL_SEP}lean"
+                self.results["parts"][lean] = {"client": "logprobs off, min_tokens off, ignore_eos on"}
+                target = dataclasses.replace(target, logprobs=False, min_tokens=False)
+                asyncio.run(self._sweep_server(lean, url, target, self.reserve_after(name, parts),
+                                               scrape=lambda: vllm_histograms(url),
+                                               docs=1 if base_part(name) == "raw_cached" else None))
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} vllm serve stopped")
@@ -1017,6 +1026,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="extra vLLM engine argument for BOTH servers, e.g. max_num_batched_tokens=16384 "
                    "(value parsed as JSON, else a string); repeatable")
+    p.add_argument("--raw-lean", action="store_true", help="sweep each raw server a second time without logprobs "
+                   "and min_tokens (what the reference sent; ignore_eos keeps output lengths fixed), as PART@lean")
     p.add_argument("--variant", action="append", default=[], type=_variant_arg, metavar="LABEL:NAME=JSON",
                    help="an engine argument of the servers named PART@LABEL in --parts only, e.g. --variant "
                    "fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8 (same server twice, side by side); repeatable")

@@ -140,6 +140,7 @@ class OpenAIChatTarget:
     prompts: dict[str, str]
     fixed_output: bool = True
     logprobs: bool = True  # our engine asks vLLM for each sampled token's logprob (confidence): same work here
+    min_tokens: bool = True  # with fixed_output: also send min_tokens, as our engine's bench mode does
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. the image processor backend
     name: str = "raw-vllm"
     path: str = "/v1/chat/completions"
@@ -158,8 +159,8 @@ class OpenAIChatTarget:
             "max_tokens": max_tokens,
             "temperature": 0.0,
         }
-        if self.fixed_output:
-            payload.update(ignore_eos=True, min_tokens=max_tokens)
+        if self.fixed_output:  # ignore_eos alone already runs to max_tokens; min_tokens adds vLLM's per-step check
+            payload.update(ignore_eos=True, **({"min_tokens": max_tokens} if self.min_tokens else {}))
         if self.logprobs:
             payload.update(logprobs=True, top_logprobs=0)
         if self.mm_processor_kwargs:

@@ -5,6 +5,7 @@ real HF image processors (the GPU run's numbers rest on these)."""
 from __future__ import annotations
 
 import http.server
+import dataclasses
 import json
 import threading
 
@@ -118,6 +119,10 @@ def test_raw_client_sends_the_processor_backend_per_request():
     body = json.loads(target.body(run.Job("id_card", "extract", 64), doc))
     assert body["mm_processor_kwargs"] == {"backend": "torchvision"}
     assert body["ignore_eos"] is True and body["min_tokens"] == body["max_tokens"] == 64 and body["logprobs"] is True
+    lean = json.loads(dataclasses.replace(target, logprobs=False, min_tokens=False).body(
+        run.Job("id_card", "extract", 64), doc))  # what the reference sent: ignore_eos alone fixes the length
+    assert lean["ignore_eos"] is True and lean["max_tokens"] == 64
+    assert "min_tokens" not in lean and "logprobs" not in lean
     stock = run.OpenAIChatTarget(model="m", prompts={"extract": "x"})
     assert "mm_processor_kwargs" not in json.loads(stock.body(run.Job("id_card", "extract", 64), doc))
 
