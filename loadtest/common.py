@@ -60,6 +60,17 @@ class ManagedProcess:
         except OSError:
             return ""
 
+    def wait_for_output(self, marker: str, timeout_s: float) -> None:
+        """Wait until the process has written `marker` to its log; RuntimeError if it exits first."""
+        deadline = time.monotonic() + timeout_s
+        while marker not in self.log_path.read_bytes().decode(errors="replace"):
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}) before printing {marker!r}:\n"
+                                   f"{self.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} did not print {marker!r} within {timeout_s:.0f}s")
+            time.sleep(0.25)
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM the leader (its graceful shutdown stops its own children), then SIGKILL what is left of the
         process group after `timeout_s`."""
@@ -179,7 +190,8 @@ def _wait_or_port_taken(proc: ManagedProcess, url: str, timeout_s: float) -> Non
 def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
                   ready_timeout_s: float = 900.0, extra_env: Mapping[str, str] | None = None,
                   ) -> tuple[ManagedProcess, str]:
-    """Start `python -m service.cli serve` with these settings on a free loopback port; wait for /readyz.
+    """Start `python -m service.cli serve` with these settings on a free loopback port; wait for /readyz and for
+    the CLI's ready line (every engine replica up).
 
     Returns (process, base URL). Stopping the process (SIGTERM) drains and shuts its Ray cluster down."""
     return _start_with_port_retries(
@@ -193,9 +205,19 @@ def _start_service(settings: Mapping[str, Any], log_path: Path, port: int, ready
     env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
     env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    from service.cli import READY_MARKER
+
     proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)
     url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
     _wait_or_port_taken(proc, url + "/readyz", ready_timeout_s)
+    # /readyz answers with the first engine replica up; the CLI's ready line comes when all of them are (on the
+    # H200 a second engine was still building its image processor during the first measured step)
+    try:
+        proc.wait_for_output(READY_MARKER, max(1.0, ready_timeout_s - (time.monotonic() - started)))
+    except BaseException:
+        proc.stop()
+        raise
     return proc, url
 
 

@@ -17,6 +17,9 @@ from typing import Callable
 from pydantic import ValidationError
 
 log = logging.getLogger("service.cli")
+# printed once every deployment has all its starting replicas (serve.run waits for the app to be RUNNING); /readyz
+# answers 200 earlier, with the first engine replica (loadtest.common.start_service waits for this line)
+READY_MARKER = "engine ready at"
 
 
 def _settings_or_exit(**overrides):
@@ -49,7 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     url = local.run_app(settings)
-    print(f"ocr-serve: {settings.engine} engine ready at {url} in {time.monotonic() - started:.1f}s "
+    print(f"ocr-serve: {settings.engine} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "
           f"(POST {url}/v1/ocr, docs {url}/docs, metrics {local.metrics_url()})", flush=True)
     stop.wait()
     # graceful drain: readiness fails and new work gets 503 at once; in-flight requests get up to the timeout

@@ -151,6 +151,8 @@ class Settings(BaseSettings):
     )
     embedded_threads: int = Field(0, ge=0, description="Embedded engine: ONNX Runtime intra-op threads (0 = auto).")
     mock_delay_s: float = Field(0.0, ge=0, description="Mock engine: seconds each request takes (tests, autoscaling).")
+    mock_start_delay_s: float = Field(0.0, ge=0, description="Mock engine: seconds its start takes, times the Serve "
+                                      "replica's rank (tests of start-up with replicas that come up one by one).")
 
     # --- parsing / output -----------------------------------------------------------------------------------------
     repetition_min_chars: int = Field(

@@ -90,3 +90,37 @@ def test_killed_replica_loses_no_accepted_request(serve_app):
     assert len(in_flight_at_kill) >= 2, "the kill hit no accepted request (the drill proved nothing)"
     assert outcomes["ok"] == len(results), f"requests lost: {dict(outcomes)}"
     assert len(replica_processes("OCREngine")) == 2
+
+
+def test_deploy_returns_only_when_every_engine_replica_is_up(serve_app):
+    """`/readyz` turns 200 with the first engine replica, but `local.run_app` (and so the CLI's ready line) returns
+    only when every replica the app starts with is RUNNING (serve.run waits for it): what loadtest.common's
+    start_service relies on. Here the mock engine's second replica starts 6 s after the first."""
+    from ray import serve
+
+    started = time.monotonic()
+    serve_app(engine="mock", min_replicas=2, max_replicas=2, engine_num_cpus=0.5, mock_start_delay_s=6.0,
+              rate_limit_enabled=False)
+    assert time.monotonic() - started >= 6.0
+    assert running_engine_replicas() == 2
+    assert str(serve.status().applications["ocr"].status).endswith("RUNNING")
+
+
+def test_started_service_has_every_engine_replica_up(tmp_path):
+    """The benchmarks' `start_service` returns when the CLI says ready, not at the first 200 from /readyz, which
+    comes with the first engine replica: on the H200 the second of two vLLM engines was still starting (image
+    processor build, CUDA graphs) during the first measured step. The real `ocr-serve serve`, two mock engine
+    replicas, the second one 10 s late."""
+    import httpx
+
+    from loadtest.common import start_service
+    from service.cli import READY_MARKER
+
+    settings = dict(engine="mock", min_replicas=2, max_replicas=2, engine_num_cpus=0.5, ingress_replicas=1,
+                    mock_start_delay_s=10.0, rate_limit_enabled=False, graceful_shutdown_timeout_s=2)
+    proc, url = start_service(settings, log_path=tmp_path / "serve.log", ready_timeout_s=300)
+    try:
+        assert READY_MARKER in proc.tail(100_000)
+        assert httpx.get(url + "/readyz", timeout=30).status_code == 200
+    finally:
+        proc.stop(timeout_s=30)

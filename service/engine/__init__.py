@@ -16,7 +16,7 @@ def make_engine(settings: Settings) -> Engine:
     if settings.engine == "mock":
         from service.engine.mock import MockEngine
 
-        return MockEngine(delay_s=settings.mock_delay_s)
+        return MockEngine(delay_s=settings.mock_delay_s, start_delay_s=settings.mock_start_delay_s)
     if settings.engine == "vllm":
         from service.engine.vllm_engine import VLLMEngine
 

@@ -30,8 +30,9 @@ class MockEngine:
     name = "mock"
 
     def __init__(self, *, delay_s: float = 0.0, responder: Responder | None = None, adapters: list[str] | None = None,
-                 model_name: str = "mock-ocr"):
+                 model_name: str = "mock-ocr", start_delay_s: float = 0.0):
         self.delay_s = delay_s
+        self.start_delay_s = start_delay_s  # × the Serve replica's rank: replicas come up one after another
         self.responder = responder or default_responder
         self.adapters = set(adapters or [])
         self.model_name = model_name
@@ -39,7 +40,8 @@ class MockEngine:
         self.fail_next = 0  # raise RuntimeError for the next N requests (retry tests)
 
     async def start(self) -> None:
-        return None
+        if self.start_delay_s:
+            await asyncio.sleep(self.start_delay_s * _replica_rank())
 
     async def generate(self, request: EngineRequest) -> EngineResult:
         final = None
@@ -96,3 +98,14 @@ class MockEngine:
 
     async def shutdown(self) -> None:
         return None
+
+
+def _replica_rank() -> int:
+    """This Serve replica's rank in its deployment; 0 outside Serve."""
+    try:
+        from ray import serve
+
+        rank = serve.get_replica_context().rank
+    except Exception:  # not in a Serve replica
+        return 0
+    return int(getattr(rank, "rank", rank) or 0)
