@@ -482,7 +482,7 @@ class Bench:
         (self.out / "profiles").mkdir(parents=True, exist_ok=True)
         for pid, kind in busiest_pids(cpu_before, now, self.args.py_spy_processes, exclude):
             path = self.out / "profiles" / f"{file_stem(label)}-{level:g}-{pid}.txt"
-            proc = record_stacks(pid, max(2.0, seconds), str(path))
+            proc = record_stacks(pid, max(2.0, seconds), str(path), native=self.args.py_spy_native)
             if proc is not None:
                 recorders.append((pid, kind, path, proc))
         for pid, kind, path, proc in recorders:
@@ -1025,6 +1025,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--py-spy", default="", help="concurrencies (e.g. 128) at which py-spy samples the servers' "
                    "busiest processes after the warm-up; stacks in OUT/profiles/, top functions in results.json")
     p.add_argument("--py-spy-processes", type=int, default=3, help="how many of the busiest processes py-spy samples")
+    p.add_argument("--py-spy-native", action="store_true", help="py-spy with C/C++ frames (--native; pauses the "
+                   "sampled processes for each sample, so the profiled step's numbers are perturbed)")
     p.add_argument("--ingress-replicas", type=int, default=None, help="service ingress replicas (default 4; tiny 1)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="extra vLLM engine argument for BOTH servers, e.g. max_num_batched_tokens=16384 "

@@ -168,14 +168,17 @@ def find_py_spy() -> str | None:
     return None
 
 
-def record_stacks(pid: int, seconds: float, out_path: str, rate: int = 100) -> subprocess.Popen | None:
-    """Start sampling one process's Python stacks for `seconds` (py-spy, non-blocking: the process is not paused)
-    into a collapsed-stacks file; None without py-spy."""
+def record_stacks(pid: int, seconds: float, out_path: str, rate: int = 100,
+                  native: bool = False) -> subprocess.Popen | None:
+    """Start sampling one process's Python stacks for `seconds` into a collapsed-stacks file; None without py-spy.
+    Non-blocking (the process is not paused), unless `native`: then C/C++ frames too (e.g. which CUDA runtime
+    call a busy Python line is in), which py-spy can only read from a paused process."""
     exe = find_py_spy()
     if exe is None:
         return None
+    mode = ["--native"] if native else ["--nonblocking"]
     return subprocess.Popen([exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
-                             "--rate", str(rate), "--format", "raw", "--nonblocking", "--output", out_path],
+                             "--rate", str(rate), "--format", "raw", *mode, "--output", out_path],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -185,6 +188,8 @@ def _frame_name(frame: str) -> str:
     if not match:
         return frame.strip()
     fn, path = match.groups()
+    if re.fullmatch(r"0x[0-9a-f]+", fn):  # a native frame without symbols: one name per library, not per address
+        fn = "?"
     return f"{fn} ({'/'.join(path.split('/')[-2:])})"
 
 

@@ -95,3 +95,29 @@ def test_py_spy_names_where_a_busy_process_spends_its_time(tmp_path):
     inclusive = dict(summary["inclusive"])
     assert inclusive["work (<string>)"] > 90 and inclusive["<module> (<string>)"] > 90
     assert summarise_stacks(str(tmp_path / "missing.txt")) == {"samples": 0}
+
+
+def test_py_spy_native_names_the_c_function_under_a_python_line(tmp_path):
+    """With native frames the innermost frame of a hashing loop is the C code doing the work (a shared library),
+    not the Python line that called it: what tells a slow pinned-memory allocation from a slow copy."""
+    from loadtest.resources import record_stacks, summarise_stacks
+
+    code = ("import hashlib, time\ndata = b'x' * (1 << 22)\nend = time.monotonic() + 20\n"
+            "while time.monotonic() < end: hashlib.sha256(data).digest()\n")
+    busy = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.5)
+        out = {}
+        for native in (False, True):
+            out[native] = tmp_path / f"stacks-{native}.txt"
+            recorder = record_stacks(busy.pid, 2, str(out[native]), native=native)
+            _, err = recorder.communicate(timeout=30)
+            assert recorder.returncode == 0, err
+    finally:
+        busy.kill()
+        busy.wait()
+    python_only, native = summarise_stacks(str(out[False])), summarise_stacks(str(out[True]))
+    assert python_only["samples"] > 50 and native["samples"] > 50
+    assert ".so" not in python_only["self"][0][0]  # the Python line, <module>
+    assert ".so" in native["self"][0][0], native["self"][:3]  # libcrypto / libpython code under it
+    assert native["self"][0][1] > 50  # frames without symbols add up per library, not per address
