@@ -12,6 +12,9 @@
    behaviour before pass-through), in alternating rounds; the ratio is re-encode ms ÷ pass-through ms.
 4. `vllm`: the tiny HunyuanOCR-shaped model on vLLM-CPU through our API vs raw `vllm serve` (the GPU benchmark's
    code with `--tiny`: same engine arguments, same documents, fixed output lengths).
+5. `serve_mode`: the `overhead` measurement with Ray Serve in its standard mode and in its throughput-optimized
+   mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, opt-in), alternating rounds; the difference is the Serve path's
+   share that the mode saves per request.
 
     python -m loadtest bench cpu --out results/cpu
 """
@@ -31,7 +34,9 @@ from loadtest import run
 from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
-ALL_PARTS = ("overhead", "embedded", "admission", "vllm")
+ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode")
+SERVE_MODES = {"standard": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+               "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 
 
 def _tiny_png() -> GeneratedDocument:
@@ -91,6 +96,41 @@ def bench_overhead(out: Path, requests: int) -> dict[str, Any]:
                   f"(decode {result[name]['ingress_decode_ms']['p50']:.1f})", flush=True)
     finally:
         proc.stop(timeout_s=30)
+    return result
+
+
+def bench_serve_mode(out: Path, requests: int, rounds: int) -> dict[str, Any]:
+    """The mock service started once per Serve mode per round (modes alternate, so load drift hits both); per
+    payload the p50 of the client latency and of the time outside the ingress handler, per mode and round."""
+    settings = {"engine": "mock", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
+                "log_level": "WARNING"}
+    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0]}
+    target = run.OCRTarget(task_override="text")
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {d: [] for d in documents} for m in SERVE_MODES}
+    for round_no in range(rounds):
+        for mode, env in SERVE_MODES.items():
+            proc, url = start_service(settings, log_path=out / "logs" / f"service-{mode}-{round_no}.log",
+                                      extra_env=env)
+            try:
+                for name, doc in documents.items():
+                    body = target.body(run.Job(doc.kind, "text"), doc)
+                    _post_sequential(url, body, 5)  # warm
+                    samples[mode][name] += _post_sequential(url, body, requests)
+            finally:
+                proc.stop(timeout_s=30)
+    result: dict[str, Any] = {"requests_per_mode_and_payload": requests * rounds, "rounds": rounds}
+    for name in documents:
+        row = {}
+        for mode in SERVE_MODES:
+            got = samples[mode][name]
+            row[mode] = {"client_p50_ms": round(run.percentile([s["latency_ms"] for s in got], 50), 2),
+                         "outside_ingress_p50_ms": round(run.percentile(
+                             [s["latency_ms"] - s["server_total_ms"] for s in got], 50), 2)}
+        row["client_p50_saved_ms"] = round(row["standard"]["client_p50_ms"]
+                                           - row["throughput_optimized"]["client_p50_ms"], 2)
+        result[name] = row
+        print(f"  serve mode {name:<18} client p50 standard {row['standard']['client_p50_ms']:.1f} ms, "
+              f"throughput-optimized {row['throughput_optimized']['client_p50_ms']:.1f} ms", flush=True)
     return result
 
 
@@ -252,6 +292,17 @@ def report(results: dict[str, Any]) -> str:
                          f"{v['client_latency_ms']['p95']} | {v['ingress_total_ms']['p50']} | "
                          f"{v['ingress_decode_ms']['p50']} | {v['outside_ingress_ms_p50']} |")
         lines.append("")
+    m = results.get("serve_mode")
+    if m:
+        lines += ["| payload (mock engine) | Serve mode | client p50 ms | outside ingress p50 ms |",
+                  "|---|---|---|---|"]
+        for name, v in m.items():
+            if not isinstance(v, dict):
+                continue
+            for mode in SERVE_MODES:
+                lines.append(f"| {name} | {mode} | {v[mode]['client_p50_ms']} | {v[mode]['outside_ingress_p50_ms']} |")
+        lines += ["", "Client p50 saved by the throughput-optimized mode: " + ", ".join(
+            f"{name} {v['client_p50_saved_ms']} ms" for name, v in m.items() if isinstance(v, dict)), ""]
     e = results.get("embedded")
     if e:
         lines += ["| embedded engine (" + e["documents"] + ") | direct rapidocr docs/s | through the API docs/s "
@@ -301,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
     parser.add_argument("--overhead-requests", type=int, default=40, help="sequential requests per payload")
-    parser.add_argument("--rounds", type=int, default=2, help="direct/API block pairs (embedded)")
+    parser.add_argument("--rounds", type=int, default=2, help="direct/API block pairs (embedded); service starts "
+                        "per Serve mode (serve_mode)")
     parser.add_argument("--docs", type=int, default=3, help="A4 pages and ID cards cycled through (embedded)")
     parser.add_argument("--block-s", type=float, default=30.0, help="seconds of each embedded block")
     parser.add_argument("--vllm-step-s", type=float, default=20.0, help="seconds per vLLM-CPU sweep step")
@@ -317,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                                "load_average": [round(x, 1) for x in os.getloadavg()], "errors": []}
     runners = {
         "overhead": lambda: bench_overhead(args.out, args.overhead_requests),
+        "serve_mode": lambda: bench_serve_mode(args.out, args.overhead_requests, args.rounds),
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
         "admission": lambda: bench_admission(),
         "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),

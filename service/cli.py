@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import logging
@@ -58,14 +59,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # graceful drain: readiness fails and new work gets 503 at once; in-flight requests get up to the timeout
     print(f"ocr-serve: draining (in-flight requests get up to {settings.graceful_shutdown_timeout_s:.0f}s)",
           flush=True)
+    loop = asyncio.new_event_loop()  # drain and Serve's shutdown share it (local.drain)
     try:
-        left = local.drain(settings.graceful_shutdown_timeout_s)
+        left = local.drain(settings.graceful_shutdown_timeout_s, loop)
         if left:
             print(f"ocr-serve: drain timeout, {left} request(s) still in flight", flush=True)
     except KeyboardInterrupt:
         print("ocr-serve: second signal, not waiting for in-flight requests", flush=True)
     print("ocr-serve: shutting down", flush=True)
-    local.shutdown()
+    local.shutdown(loop)
     return 0
 
 

@@ -263,6 +263,19 @@ def test_redis_modes(chart_renders):
     assert redis_env(chart_renders["minimal"]) is None
 
 
+def test_serve_throughput_mode_is_set_on_every_ray_container():
+    """Every Ray process reads RAY_SERVE_THROUGHPUT_OPTIMIZED when it starts: head and workers must agree."""
+    def modes(objects):
+        cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
+        pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
+                                                                 for g in cluster["workerGroupSpecs"]]
+        return {e["value"] for pod in pods for e in pod["containers"][0]["env"]
+                if e["name"] == "RAY_SERVE_THROUGHPUT_OPTIMIZED"}, len(pods)
+
+    assert modes(rendered_objects(render_chart())) == ({"0"}, 2)
+    assert modes(rendered_objects(render_chart({"rayServeThroughputOptimized": True}))) == ({"1"}, 2)
+
+
 def test_monitoring_objects(chart_renders):
     from service.metrics import METRIC_RELABEL_CONFIGS
 

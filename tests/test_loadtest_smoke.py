@@ -117,3 +117,21 @@ def test_locust_file_runs_headless(embedded_url, tmp_path):
     assert "/v1/ocr [id_card text]" in rows  # named by kind and (embedded-engine) task
     total = rows["Aggregated"]
     assert int(total["Request Count"]) >= 1 and int(total["Failure Count"]) == 0
+
+
+def test_serve_mode_benchmark_runs_both_modes(tmp_path):
+    """`bench cpu --parts serve_mode` starts the real `ocr-serve serve` once in Ray Serve's standard mode and once
+    in its throughput-optimized mode (opt-in) and answers through both; no timing assertions."""
+    from loadtest import bench_cpu
+
+    out = tmp_path / "cpu"
+    assert bench_cpu.main(["--parts", "serve_mode", "--overhead-requests", "3", "--rounds", "1",
+                           "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())["serve_mode"]
+    for payload in ("tiny_64x32", "id_card_1000x630"):
+        for mode in ("standard", "throughput_optimized"):
+            assert result[payload][mode]["client_p50_ms"] > result[payload][mode]["outside_ingress_p50_ms"] > 0
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("service-*.log")}
+    assert "Throughput optimized Ray Serve enabled" in logs["service-throughput_optimized-0.log"]
+    assert "Throughput optimized Ray Serve enabled" not in logs["service-standard-0.log"]
+    assert "| id_card_1000x630 | throughput_optimized |" in (out / "report.md").read_text()

@@ -25,12 +25,15 @@ IN_FLIGHT = 10
 MOCK_DELAY_S = 12.0  # long enough that the 10 are still running when SIGTERM arrives
 
 
-@pytest.fixture
-def serving_process(tmp_path):
+# Ray Serve's standard mode (our default) and its throughput-optimized mode (opt-in), where a handle's router runs
+# on the caller's event loop: the drain's handle calls and Serve's shutdown must work in both
+@pytest.fixture(params=["0", "1"], ids=["standard", "throughput_optimized"])
+def serving_process(tmp_path, request):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "OCR_"))}
     env.update({"OCR_MOCK_DELAY_S": str(MOCK_DELAY_S), "OCR_RATE_LIMIT_ENABLED": "false",
-                "OCR_GRACEFUL_SHUTDOWN_TIMEOUT_S": "120", "OCR_MAX_ONGOING_REQUESTS": "32"})
+                "OCR_GRACEFUL_SHUTDOWN_TIMEOUT_S": "120", "OCR_MAX_ONGOING_REQUESTS": "32",
+                "RAY_SERVE_THROUGHPUT_OPTIMIZED": request.param})
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--engine", "mock", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

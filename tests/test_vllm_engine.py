@@ -18,6 +18,7 @@ import pytest
 
 from service.admission.budget import image_tokens_for
 from tests.fixtures.documents import render_document
+from tests.fixtures.reliability import wait_for
 from tests.fixtures.vllm import write_lora_adapter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
@@ -206,7 +207,7 @@ def test_dead_engine_replica_is_replaced(vllm_url):
     doc = small_document()
     assert httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2},
                       timeout=300).status_code == 200
-    before = engine_core_pids()
+    before = wait_for(lambda: (pids := engine_core_pids()) and pids, 30, what="the EngineCore process")
     assert len(before) == 1, before
     os.kill(before[0], signal.SIGKILL)
 

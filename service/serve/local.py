@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -16,11 +17,16 @@ APP_NAME = "ocr"
 
 # Read by Ray at import time: a single-node cluster then binds its node IP to 127.0.0.1 instead of the host's address.
 LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray Serve's throughput-optimized mode (Ray >= 2.55: gRPC between deployments instead of the object store, user
+# code on the replica's own event loop, buffered request logs) is opt-in: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in the
+# environment before Ray starts (the Helm chart: values `rayServeThroughputOptimized`). Off by default until the
+# whole suite passes under it (three tests did not on 2026-11-30); docs/BENCHMARKS.md, "Serve mode", has its gain.
+SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
 
 
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None) -> None:
-    for key, value in LOOPBACK_ENV.items():
+    for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV}.items():
         os.environ.setdefault(key, value)
     import ray
 
@@ -73,10 +79,18 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"service at {url} not ready after {timeout_s:.0f}s (last error: {last!r})")
 
 
-def drain(timeout_s: float) -> int:
+def drain(timeout_s: float, loop: asyncio.AbstractEventLoop) -> int:
     """Graceful drain before shutdown: every ingress replica fails readiness and refuses new work, then this waits
-    (at most `timeout_s`) until none has a request in flight. Returns the requests still in flight at the end."""
+    (at most `timeout_s`) until none has a request in flight. Returns the requests still in flight at the end.
+
+    Runs on `loop`, which the caller keeps open until `shutdown(loop)`: with Serve's throughput-optimized mode a
+    handle's router lives on the loop of the code that calls it, and Serve's shutdown still talks to it."""
+    return loop.run_until_complete(_drain(timeout_s))
+
+
+async def _drain(timeout_s: float) -> int:
     from ray import serve
+    from ray.serve.handle import DeploymentHandle
 
     from service.serve.app import INGRESS_DEPLOYMENT
 
@@ -84,31 +98,42 @@ def drain(timeout_s: float) -> int:
     try:
         status = serve.status().applications[APP_NAME].deployments[INGRESS_DEPLOYMENT]
         replicas = max(1, status.replica_states.get("RUNNING", 1))
-        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME)
     except Exception as exc:  # app never came up: nothing to drain
-        log.warning("drain skipped: %s", type(exc).__name__)
+        log.warning("drain skipped: %s: %s", type(exc).__name__, str(exc)[:300])
         return 0
+    # a handle of this loop only (not Serve's per-process cache): serve.shutdown() later must not find a router
+    # bound to a loop that is closed by then
+    handle = DeploymentHandle(INGRESS_DEPLOYMENT, APP_NAME)
     in_flight: dict[str, int] = {}  # replica → last reported count; a drained replica's count only goes down
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            state = handle.drain.remote().result(timeout_s=max(1.0, remaining))
-            in_flight[state["replica"]] = state["in_flight"]
-        except Exception as exc:  # a replica that cannot answer has nothing we can wait for
-            log.warning("drain call failed: %s", type(exc).__name__)
-        # calls are routed to a random replica: keep calling until every replica has reported (and reports 0)
-        if len(in_flight) >= replicas and not any(in_flight.values()):
-            return 0
-        if remaining <= 0:
-            return sum(in_flight.values())
-        time.sleep(0.2)
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                state = await asyncio.wait_for(handle.drain.remote(), timeout=max(1.0, remaining))
+                in_flight[state["replica"]] = state["in_flight"]
+            except Exception as exc:  # a replica that cannot answer has nothing we can wait for
+                log.warning("drain call failed: %s: %s", type(exc).__name__, str(exc)[:200])
+            # calls go to a random replica: keep calling until every replica has reported (and reports 0)
+            if len(in_flight) >= replicas and not any(in_flight.values()):
+                return 0
+            if remaining <= 0:
+                return sum(in_flight.values())
+            await asyncio.sleep(0.2)
+    finally:
+        await handle.shutdown_async()
 
 
-def shutdown() -> None:
+def shutdown(loop: asyncio.AbstractEventLoop | None = None) -> None:
+    """Stop Serve and Ray; with the loop `drain` ran on, Serve shuts down on it and then the loop is closed."""
     import ray
     from ray import serve
 
     try:
-        serve.shutdown()
+        if loop is None:
+            serve.shutdown()
+        else:
+            loop.run_until_complete(serve.shutdown_async())
     finally:
+        if loop is not None:
+            loop.close()
         ray.shutdown()

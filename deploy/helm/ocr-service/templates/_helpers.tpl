@@ -129,6 +129,8 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   value: /tmp/cache
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: {{ ternary "1" "0" .Values.rayServeThroughputOptimized | quote }}
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: TRANSFORMERS_OFFLINE
