@@ -70,62 +70,67 @@ def _stats(values: list[float]) -> dict[str, float]:
             "p95": round(run.percentile(values, 95), 2), "n": len(values)}
 
 
-def bench_overhead(out: Path, requests: int) -> dict[str, Any]:
-    settings = {"engine": "mock", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
+MOCK_SERVICE = {"engine": "mock", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
                 "log_level": "WARNING"}
-    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0],
-                 "a4_1240x1754": make_documents("a4", 1)[0]}
-    proc, url = start_service(settings, log_path=out / "logs" / "service-mock.log")
-    result: dict[str, Any] = {"settings": settings}
+
+
+def _mock_service_samples(log_path: Path, documents: dict[str, GeneratedDocument], requests: int,
+                          extra_env: dict[str, str] | None = None) -> dict[str, tuple[int, list[dict[str, float]]]]:
+    """The service with the mock engine (no inference), started once: per payload (body bytes, samples of
+    `requests` sequential requests on one connection, after 3 unmeasured ones)."""
+    proc, url = start_service(MOCK_SERVICE, log_path=log_path, extra_env=extra_env)
+    out = {}
     try:
         target = run.OCRTarget(task_override="text")
         for name, doc in documents.items():
             body = target.body(run.Job(doc.kind, "text"), doc)
             _post_sequential(url, body, 3)  # warm: first-request imports, connection set-up
-            samples = _post_sequential(url, body, requests)
-            result[name] = {
-                "body_kib": len(body) // 1024,
-                "client_latency_ms": _stats([s["latency_ms"] for s in samples]),
-                "ingress_total_ms": _stats([s["server_total_ms"] for s in samples]),
-                "ingress_decode_ms": _stats([s["server_decode_ms"] for s in samples]),
-                "outside_ingress_ms_p50": round(run.percentile(
-                    [s["latency_ms"] - s["server_total_ms"] for s in samples], 50), 2),
-            }
-            print(f"  overhead {name:<18} client p50 {result[name]['client_latency_ms']['p50']:7.1f} ms  "
-                  f"ingress p50 {result[name]['ingress_total_ms']['p50']:7.1f} ms "
-                  f"(decode {result[name]['ingress_decode_ms']['p50']:.1f})", flush=True)
+            out[name] = (len(body), _post_sequential(url, body, requests))
     finally:
         proc.stop(timeout_s=30)
+    return out
+
+
+def _outside_ingress_p50(samples: list[dict[str, float]]) -> float:
+    """p50 of client latency minus the ingress handler's own time: proxy, Serve routing, the engine hop."""
+    return round(run.percentile([s["latency_ms"] - s["server_total_ms"] for s in samples], 50), 2)
+
+
+def bench_overhead(out: Path, requests: int) -> dict[str, Any]:
+    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0],
+                 "a4_1240x1754": make_documents("a4", 1)[0]}
+    result: dict[str, Any] = {"settings": MOCK_SERVICE}
+    for name, (body_bytes, samples) in _mock_service_samples(out / "logs" / "service-mock.log", documents,
+                                                              requests).items():
+        result[name] = {
+            "body_kib": body_bytes // 1024,
+            "client_latency_ms": _stats([s["latency_ms"] for s in samples]),
+            "ingress_total_ms": _stats([s["server_total_ms"] for s in samples]),
+            "ingress_decode_ms": _stats([s["server_decode_ms"] for s in samples]),
+            "outside_ingress_ms_p50": _outside_ingress_p50(samples),
+        }
+        print(f"  overhead {name:<18} client p50 {result[name]['client_latency_ms']['p50']:7.1f} ms  "
+              f"ingress p50 {result[name]['ingress_total_ms']['p50']:7.1f} ms "
+              f"(decode {result[name]['ingress_decode_ms']['p50']:.1f})", flush=True)
     return result
 
 
 def bench_serve_mode(out: Path, requests: int, rounds: int) -> dict[str, Any]:
     """The mock service started once per Serve mode per round (modes alternate, so load drift hits both); per
-    payload the p50 of the client latency and of the time outside the ingress handler, per mode and round."""
-    settings = {"engine": "mock", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
-                "log_level": "WARNING"}
+    payload the p50 of the client latency and of the time outside the ingress handler, per mode."""
     documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0]}
-    target = run.OCRTarget(task_override="text")
     samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {d: [] for d in documents} for m in SERVE_MODES}
     for round_no in range(rounds):
         for mode, env in SERVE_MODES.items():
-            proc, url = start_service(settings, log_path=out / "logs" / f"service-{mode}-{round_no}.log",
-                                      extra_env=env)
-            try:
-                for name, doc in documents.items():
-                    body = target.body(run.Job(doc.kind, "text"), doc)
-                    _post_sequential(url, body, 5)  # warm
-                    samples[mode][name] += _post_sequential(url, body, requests)
-            finally:
-                proc.stop(timeout_s=30)
+            got = _mock_service_samples(out / "logs" / f"service-{mode}-{round_no}.log", documents, requests, env)
+            for name, (_, round_samples) in got.items():
+                samples[mode][name] += round_samples
     result: dict[str, Any] = {"requests_per_mode_and_payload": requests * rounds, "rounds": rounds}
     for name in documents:
-        row = {}
-        for mode in SERVE_MODES:
-            got = samples[mode][name]
-            row[mode] = {"client_p50_ms": round(run.percentile([s["latency_ms"] for s in got], 50), 2),
-                         "outside_ingress_p50_ms": round(run.percentile(
-                             [s["latency_ms"] - s["server_total_ms"] for s in got], 50), 2)}
+        row: dict[str, Any] = {
+            mode: {"client_p50_ms": round(run.percentile([s["latency_ms"] for s in samples[mode][name]], 50), 2),
+                   "outside_ingress_p50_ms": _outside_ingress_p50(samples[mode][name])}
+            for mode in SERVE_MODES}
         row["client_p50_saved_ms"] = round(row["standard"]["client_p50_ms"]
                                            - row["throughput_optimized"]["client_p50_ms"], 2)
         result[name] = row

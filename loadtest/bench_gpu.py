@@ -431,11 +431,6 @@ class Bench:
                      f"{time.perf_counter() - started:.1f}s")
             label = f"{part}/{w.name}"
 
-            def on_step(summary: dict[str, Any]) -> None:
-                self.steps.append(summary)
-                run.print_step(summary)
-                self.save()
-
             entry: dict[str, Any] = {"warmup_ms": warm_ms, "steps": []}
             if first:
                 entry["first_requests_ms"] = [round(s.latency_s * 1000, 1) for s in first]
