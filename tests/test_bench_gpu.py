@@ -297,3 +297,59 @@ def test_raw_vllm_serve_starts_the_api_servers_it_is_asked_for(tiny_model_dir, t
         proc.stop(timeout_s=30)
     log = (tmp_path / "vllm-serve.log").read_text(errors="replace")
     assert "ApiServer_0" in log and "ApiServer_1" in log
+
+
+def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path, monkeypatch):
+    """`--variant LABEL:env:NAME=VALUE` starts that server with the variable (and no other engine argument);
+    `--raw-lean` / `--no-confidence` sweep the same server process again with the changed requests, under
+    PART@lean / PART@noconf, and only unlabelled servers get them."""
+    assert bench_gpu._variant_arg("omp1:env:OMP_NUM_THREADS=1") == ("omp1", "env", "OMP_NUM_THREADS", "1")
+    for bad in ("omp1:env:1X=2", "lean:max_num_seqs=8", "noconf:env:A=1"):
+        with pytest.raises(Exception):
+            bench_gpu._variant_arg(bad)
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit", raw_lean=True, no_confidence=True,
+                   variant=[bench_gpu._variant_arg("omp1:env:OMP_NUM_THREADS=1")])
+    bench.prepare()
+    assert bench.raw_variant_engine_args("raw@omp1") == bench.raw_variant_engine_args("raw")
+    assert bench.service_variant_settings("service@omp1") == bench.settings
+
+    started, sweeps = [], []
+
+    class Proc:
+        def stop(self, timeout_s):
+            started.append("stopped")
+
+    def fake_server(kind):
+        def start(*args, extra_env=None, **kwargs):
+            started.append((kind, extra_env.get("OMP_NUM_THREADS"), extra_env.get("HF_HUB_OFFLINE")))
+            return Proc(), "http://127.0.0.1:1"
+        return start
+
+    async def fake_sweep(part, url, target, reserve_s, scrape=None, docs=None):
+        sweeps.append((part, target, reserve_s))
+
+    monkeypatch.setattr(bench_gpu, "start_vllm_server", fake_server("raw"))
+    monkeypatch.setattr(bench_gpu, "start_service", fake_server("service"))
+    monkeypatch.setattr(bench, "_sweep_server", fake_sweep)
+    parts = ["raw", "raw@omp1", "service"]
+    for part in parts:
+        (bench.part_service if part.startswith("service") else bench.part_raw)(part, parts)
+
+    assert started == [("raw", None, "1"), "stopped", ("raw", "1", "1"), "stopped", ("service", None, "1"), "stopped"]
+    assert [name for name, _, _ in sweeps] == ["raw", "raw@lean", "raw@noconf", "raw@omp1", "service",
+                                               "service@noconf"]
+    targets = {name: target for name, target, _ in sweeps}
+    assert (targets["raw"].logprobs, targets["raw"].min_tokens) == (True, True)
+    assert (targets["raw@lean"].logprobs, targets["raw@lean"].min_tokens) == (False, False)
+    assert (targets["raw@noconf"].logprobs, targets["raw@noconf"].min_tokens) == (False, True)
+    assert targets["service"].confidence is True and targets["service@noconf"].confidence is False
+    job, doc = run.WORKLOADS["id_card"][0], make_documents("id_card", 1)[0]
+    assert json.loads(targets["service@noconf"].body(job, doc))["confidence"] is False
+    assert "confidence" not in json.loads(targets["service"].body(job, doc))
+    raw_noconf = json.loads(targets["raw@noconf"].body(job, doc))
+    assert "logprobs" not in raw_noconf and raw_noconf["min_tokens"] == job.max_tokens and raw_noconf["ignore_eos"] is True
+    # a first sweep keeps time for the sweeps of the same server after it
+    reserve = {name: r for name, _, r in sweeps}
+    assert reserve["raw"] > reserve["raw@lean"] > reserve["raw@noconf"]
+    assert bench.results["parts"]["raw@omp1"]["env"] == {"OMP_NUM_THREADS": "1"}
+    assert bench.results["parts"]["service@noconf"]["client"].startswith("confidence: false")

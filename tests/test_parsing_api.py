@@ -181,6 +181,35 @@ async def test_include_raw_allows_recomputing_confidences(api, page_b64):
     assert body["raw"] is None
 
 
+async def test_confidence_false_skips_logprobs_everywhere(api, page_b64):
+    """`confidence: false` (JSON, multipart, and streamed): the engine is asked for no logprobs, the lines are the
+    same, and every confidence is null."""
+    client, engine, validate = api
+    resp, with_lp = await post(client, {"image": page_b64, "task": "spotting"})
+    assert engine.requests[-1].logprobs is True and with_lp["confidence"] is not None
+    resp, body = await post(client, {"image": page_b64, "task": "spotting", "confidence": False, "include_raw": True})
+    assert resp.status_code == 200
+    validate(body)
+    assert engine.requests[-1].logprobs is False
+    assert body["confidence"] is None and body["raw"]["tokens"] is None
+    assert [ln["text"] for ln in body["lines"]] == [ln["text"] for ln in with_lp["lines"]]
+    assert body["lines"] and all(ln["confidence"] is None for ln in body["lines"])
+    import base64
+
+    resp = await client.post("/v1/ocr", files={"file": ("page.png", base64.b64decode(page_b64), "image/png")},
+                             data={"task": "spotting", "confidence": "false"})
+    assert resp.status_code == 200 and resp.json()["confidence"] is None
+    assert engine.requests[-1].logprobs is False
+    resp = await client.post("/v1/ocr", json={"image": page_b64, "task": "spotting", "stream": True,
+                                              "confidence": False})
+    events = parse_sse(resp.text)
+    assert events[-1][0] == "result" and events[-1][1]["confidence"] is None
+    streamed = [d["line"] for e, d in events if e == "line"]
+    assert streamed and all(line["confidence"] is None for line in streamed)
+    resp, body = await post(client, {"image": page_b64, "task": "spotting", "confidence": "maybe"})
+    assert resp.status_code == 422 and body["error"]["code"] == "validation_error"
+
+
 async def test_include_raw_can_be_disabled(page_b64):
     async with make_client(MockEngine(responder=responder), include_raw_output=False) as client:
         resp, body = await post(client, {"image": page_b64, "task": "text", "include_raw": True})

@@ -184,3 +184,20 @@ def test_line_confidences_on_real_logprobs(e2e_url):
         assert line.confidence == pytest.approx(expected, rel=1e-5), (line.text, item.span)  # API rounds to 6 places
     # and the document confidence covers every returned token
     assert parsed.confidence == pytest.approx(geometric_mean([t["logprob"] for t in tokens]), rel=1e-5)
+
+
+def test_confidence_false_asks_the_engine_for_no_logprobs(client, validate, page_b64):
+    """`confidence: false` through the real engine: the same greedy text and token count as with logprobs, but no
+    token logprobs come back, so every confidence is null."""
+    body_for = {}
+    for confidence in (True, False):
+        resp = client.post("/v1/ocr", json={"image": page_b64, "task": "text", "max_tokens": 16, "include_raw": True,
+                                            "confidence": confidence})
+        assert resp.status_code == 200, resp.text
+        validate(resp.json())
+        body_for[confidence] = resp.json()
+    with_lp, without = body_for[True], body_for[False]
+    assert with_lp["raw"]["tokens"] and 0 < with_lp["confidence"] <= 1
+    assert without["raw"]["tokens"] is None and without["confidence"] is None
+    assert without["raw"]["text"] == with_lp["raw"]["text"]  # temperature 0: logprobs change nothing generated
+    assert without["usage"]["output_tokens"] == with_lp["usage"]["output_tokens"] > 0

@@ -58,6 +58,8 @@ def _multipart_schema() -> dict:
         "schema": {"type": "string", "description": "JSON Schema as a JSON string (extract)."},
         "max_tokens": {"type": "integer", "minimum": 1},
         "stream": {"type": "boolean"},
+        "confidence": {"type": "boolean"},
+        "include_raw": {"type": "boolean"},
     })
     return {"type": "object", "properties": props, "required": ["file"]}
 
@@ -211,7 +213,7 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
         request_id=request_id, task=req.task, width=plan.width, height=plan.height,
         image_png=decoded.png if decoded.png is not None and image is decoded.image else encode_png(image),
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
-        repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s),
+        repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s), logprobs=req.confidence,
     )
     if s.bench_fixed_output_tokens:  # benchmarks: fixed output length, whatever the (random) weights emit
         engine_request.min_tokens, engine_request.ignore_eos = engine_request.max_tokens, True

@@ -26,6 +26,11 @@ class OCRRequest(BaseModel):
     adapter: str | None = Field(None, max_length=128, description="LoRA adapter name (vLLM engine).")
     max_tokens: int | None = Field(None, ge=1, description="Output token limit (capped by the image budget).")
     stream: bool = Field(False, description="Send Server-Sent Events: partial output, then the final result.")
+    confidence: bool = Field(
+        True, description="Compute confidences from the sampled tokens' logprobs. `false`: the VLM engine is not "
+        "asked for logprobs, which saves GPU time (docs/BENCHMARKS.md), and the confidences that come from them "
+        "are null (the embedded engine's own line scores cost nothing and stay)."
+    )
     include_raw: bool = Field(
         False, description="Add `raw` to the response: the model's raw output, its token logprobs and the rendered "
         "prompt (replay with `ocr-serve parse --raw-json`)."

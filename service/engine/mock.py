@@ -68,10 +68,10 @@ class MockEngine:
         tokens = [TokenLogprob(token=p, logprob=math.log(0.80 + 0.19 * ((i * 7919) % 100) / 100))
                   for i, p in enumerate(pieces)]
         for token in tokens:
-            yield EngineDelta(text=token.token, tokens=[token])
+            yield EngineDelta(text=token.token, tokens=[token] if request.logprobs else None)
         finish = "length" if len(pieces) * 4 < len(text) else "stop"
         yield EngineDelta(final=EngineResult(
-            text="".join(pieces), tokens=tokens, finish_reason=finish, prompt_tokens=32,
+            text="".join(pieces), tokens=tokens if request.logprobs else None, finish_reason=finish, prompt_tokens=32,
             image_tokens=0, output_tokens=len(tokens), engine_ms=(time.perf_counter() - started) * 1000,
             rendered_prompt=request.prompt,
         ))
