@@ -118,6 +118,12 @@ class Settings(BaseSettings):
         8, ge=1, le=64, description="Threads that run the HF image processor for the engine (vLLM "
         "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (processor time per page)."
     )
+    engine_torch_threads: int = Field(
+        1, ge=0, le=256, description="PyTorch CPU threads of each vLLM EngineCore process (its `OMP_NUM_THREADS`). "
+        "The EngineCore's CPU tensor work (each step's image batch, input preparation) is small; with one thread per "
+        "core it spins threads against the frontend's: on the H200 raw `vllm serve` served 1.25x the ID cards/s with "
+        "1 thread (docs/BENCHMARKS.md). 0 = inherit the environment (Ray sets floor(engine_num_cpus))."
+    )
     max_output_tokens: int = Field(
         2048, ge=1, description="Default and upper bound of output tokens per request (budgeted with the image)."
     )

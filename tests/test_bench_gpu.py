@@ -308,10 +308,12 @@ def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path,
         with pytest.raises(Exception):
             bench_gpu._variant_arg(bad)
     bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit", raw_lean=True, no_confidence=True,
-                   variant=[bench_gpu._variant_arg("omp1:env:OMP_NUM_THREADS=1")])
+                   variant=[bench_gpu._variant_arg("omp16:env:OMP_NUM_THREADS=16")])
+    assert _bench(tmp_path, torch_threads=0).raw_torch_env() == {}  # torch's own default: no variable set
+    assert _bench(tmp_path, torch_threads=4).raw_torch_env() == {"OMP_NUM_THREADS": "4"}
     bench.prepare()
-    assert bench.raw_variant_engine_args("raw@omp1") == bench.raw_variant_engine_args("raw")
-    assert bench.service_variant_settings("service@omp1") == bench.settings
+    assert bench.raw_variant_engine_args("raw@omp16") == bench.raw_variant_engine_args("raw")
+    assert bench.service_variant_settings("service@omp16") == bench.settings
 
     started, sweeps = [], []
 
@@ -331,12 +333,14 @@ def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path,
     monkeypatch.setattr(bench_gpu, "start_vllm_server", fake_server("raw"))
     monkeypatch.setattr(bench_gpu, "start_service", fake_server("service"))
     monkeypatch.setattr(bench, "_sweep_server", fake_sweep)
-    parts = ["raw", "raw@omp1", "service"]
+    parts = ["raw", "raw@omp16", "service"]
     for part in parts:
         (bench.part_service if part.startswith("service") else bench.part_raw)(part, parts)
 
-    assert started == [("raw", None, "1"), "stopped", ("raw", "1", "1"), "stopped", ("service", None, "1"), "stopped"]
-    assert [name for name, _, _ in sweeps] == ["raw", "raw@lean", "raw@noconf", "raw@omp1", "service",
+    # the raw server runs with our engine's torch threads (1 by default); a variant's environment wins
+    assert bench.settings["engine_torch_threads"] == 1
+    assert started == [("raw", "1", "1"), "stopped", ("raw", "16", "1"), "stopped", ("service", None, "1"), "stopped"]
+    assert [name for name, _, _ in sweeps] == ["raw", "raw@lean", "raw@noconf", "raw@omp16", "service",
                                                "service@noconf"]
     targets = {name: target for name, target, _ in sweeps}
     assert (targets["raw"].logprobs, targets["raw"].min_tokens) == (True, True)
@@ -351,5 +355,5 @@ def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path,
     # a first sweep keeps time for the sweeps of the same server after it
     reserve = {name: r for name, _, r in sweeps}
     assert reserve["raw"] > reserve["raw@lean"] > reserve["raw@noconf"]
-    assert bench.results["parts"]["raw@omp1"]["env"] == {"OMP_NUM_THREADS": "1"}
+    assert bench.results["parts"]["raw@omp16"]["env"] == {"OMP_NUM_THREADS": "16"}
     assert bench.results["parts"]["service@noconf"]["client"].startswith("confidence: false")

@@ -201,6 +201,16 @@ def engine_core_pids() -> list[int]:
     return found
 
 
+def test_engine_core_gets_the_configured_torch_threads(vllm_url, vllm_settings):
+    """settings.engine_torch_threads reaches the EngineCore process as OMP_NUM_THREADS (the session sets 2, so
+    Ray's own default for a one-CPU replica, 1, would not pass)."""
+    import psutil
+
+    assert vllm_settings["engine_torch_threads"] == 2
+    pids = wait_for(lambda: (found := engine_core_pids()) and found, 30, what="the EngineCore process")
+    assert {psutil.Process(pid).environ().get("OMP_NUM_THREADS") for pid in pids} == {"2"}
+
+
 def test_dead_engine_replica_is_replaced(vllm_url):
     """Kill the EngineCore process (what an OOM or a CUDA fault does): check_health raises EngineDeadError, Serve
     replaces the replica, and requests after that succeed."""

@@ -149,6 +149,9 @@ class VLLMEngine:
         if _on_cpu():
             # CPU: keep the model inside the EngineCore process (uni executor) instead of a third worker process
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if self.settings.engine_torch_threads:
+            # the EngineCore process vLLM spawns next inherits this environment (settings.engine_torch_threads)
+            os.environ["OMP_NUM_THREADS"] = str(self.settings.engine_torch_threads)
         started = time.perf_counter()
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self._special_ids = set(self._tokenizer.added_tokens_decoder)
