@@ -29,7 +29,7 @@ class OCRRequest(BaseModel):
     confidence: bool = Field(
         True, description="Compute confidences from the sampled tokens' logprobs. `false`: the VLM engine is not "
         "asked for logprobs, which saves GPU time (docs/BENCHMARKS.md), and the confidences that come from them "
-        "are null (the embedded engine's own line scores cost nothing and stay)."
+        "are null (the embedded engine's own scores, per line and for the document, cost nothing and stay)."
     )
     include_raw: bool = Field(
         False, description="Add `raw` to the response: the model's raw output, its token logprobs and the rendered "
