@@ -580,19 +580,8 @@ class Bench:
             # mm_processor_kwargs win (our engine sends the same)
             kwargs = None if stock else {"backend": self.settings["image_processor_backend"]}
             target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts, mm_processor_kwargs=kwargs)
-            # the same server again with other requests (--raw-lean, --no-confidence): NAME@LABEL, against NAME
-            again = self.client_sweeps(name)
-            docs = 1 if base_part(name) == "raw_cached" else None
-            asyncio.run(self._sweep_server(name, url, target, self.reserve_after(name, parts)
-                                           + len(again) * self.estimate_server_s(),
-                                           scrape=lambda: vllm_histograms(url), docs=docs))
-            for index, (label, client, changes) in enumerate(again, 1):
-                sweep = f"{name}{LABEL_SEP}{label}"
-                self.results["parts"][sweep] = {"client": client}
-                asyncio.run(self._sweep_server(sweep, url, dataclasses.replace(target, **changes),
-                                               self.reserve_after(name, parts)
-                                               + (len(again) - index) * self.estimate_server_s(),
-                                               scrape=lambda: vllm_histograms(url), docs=docs))
+            self._sweep_server_and_again(name, parts, url, target, scrape=lambda: vllm_histograms(url),
+                                         docs=1 if base_part(name) == "raw_cached" else None)
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} vllm serve stopped")
@@ -612,6 +601,20 @@ class Bench:
             engine_args["api_server_count"] = variant_count(name)
         engine_args.update(self.label_engine_args(name))
         return engine_args
+
+    def _sweep_server_and_again(self, name: str, parts: list[str], url: str, target: run.Target,
+                                scrape: Callable[[], dict[str, tuple[float, float]]] | None = None,
+                                docs: int | None = None) -> None:
+        """Sweep server part `name`, then the same server process again with other requests (--raw-lean,
+        --no-confidence) as NAME@LABEL, compared with NAME; each sweep keeps time for the ones after it."""
+        again = self.client_sweeps(name)
+        sweeps = [(name, target), *((f"{name}{LABEL_SEP}{label}", dataclasses.replace(target, **changes))
+                                    for label, _, changes in again)]
+        for (label, client, _) in again:
+            self.results["parts"][f"{name}{LABEL_SEP}{label}"] = {"client": client}
+        for index, (sweep, sweep_target) in enumerate(sweeps):
+            reserve = self.reserve_after(name, parts) + (len(sweeps) - 1 - index) * self.estimate_server_s()
+            asyncio.run(self._sweep_server(sweep, url, sweep_target, reserve, scrape=scrape, docs=docs))
 
     def client_sweeps(self, name: str) -> list[tuple[str, str, dict[str, Any]]]:
         """Sweeps of server part `name` after its own, with other requests: (label, what the client sends, the
@@ -677,14 +680,7 @@ class Bench:
         try:
             self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
             self.log(f"{name} ready in {time.monotonic() - started:.0f}s at {url}")
-            again = self.client_sweeps(name)
-            asyncio.run(self._sweep_server(name, url, run.OCRTarget(),
-                                           self.reserve_after(name, parts) + len(again) * self.estimate_server_s()))
-            for index, (label, client, changes) in enumerate(again, 1):
-                sweep = f"{name}{LABEL_SEP}{label}"
-                self.results["parts"][sweep] = {"client": client}
-                asyncio.run(self._sweep_server(sweep, url, run.OCRTarget(**changes), self.reserve_after(name, parts)
-                                               + (len(again) - index) * self.estimate_server_s()))
+            self._sweep_server_and_again(name, parts, url, run.OCRTarget())
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} stopped")

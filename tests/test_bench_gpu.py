@@ -361,7 +361,7 @@ def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path,
 
 def test_a_step_gives_way_to_later_parts_only_when_that_saves_them(tmp_path):
     """Run A of the fifth session: after a 203 s first start, 295 s were left for raw's 45 s step and two later
-    servers needing 350 s. Skipping raw's step could not give them 350 s, so raw keeps it; with 400 s left the later
+    servers needing 350 s. Skipping raw's step could not give them 350 s, so raw keeps it; with 370 s left the later
     parts fit only without it, so it gives way; nothing runs past the deadline."""
     import time
 
