@@ -238,7 +238,8 @@ def bench_vllm(out: Path, step_s: float, levels: str) -> dict[str, Any]:
 
 
 def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
-    """`prepare_page` per document kind, the upload passed on vs re-encoded, rounds alternating."""
+    """`prepare_page` per document kind for the vLLM engine, rounds alternating: the PNG transport with the upload
+    passed on, the same re-encoded, and the pixel transport (the default)."""
     import dataclasses
 
     from service.admission.images import decode_image
@@ -246,36 +247,43 @@ def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
     from service.api.context import AppContext
     from service.api.protocol import OCRRequest
     from service.engine.mock import MockEngine
+    from service.engine.protocol import EngineInfo
     from service.settings import Settings
 
-    ctx = AppContext(settings=Settings(), engine=MockEngine())
-    s = ctx.settings
+    png_ctx = AppContext(settings=Settings(engine_image_transport="png"), engine=MockEngine())
+    pixels_ctx = AppContext(settings=Settings(engine_image_transport="pixels"), engine=MockEngine())
+    vllm = EngineInfo(name="vllm", model="bench", supported_tasks=["text"], image_transports=["pixels", "png"])
+    s = png_ctx.settings
     out: dict[str, Any] = {}
     for kind in ("id_card", "a4"):
         data = make_documents(kind, 1)[0].png
         req = OCRRequest(task="text")
 
         def passed_on() -> bytes:
-            return ocr.prepare_page(ctx, req, data, "vllm", "bench").engine_request.image_png
+            return ocr.prepare_page(png_ctx, req, data, vllm, "bench").engine_request.image_png
 
         def re_encoded() -> bytes:
             decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                    max_side=s.max_image_side, max_frames=s.max_frames)
-            return ocr.prepare_decoded_page(ctx, req, dataclasses.replace(decoded, png=None), "vllm",
+            return ocr.prepare_decoded_page(png_ctx, req, dataclasses.replace(decoded, png=None), vllm,
                                             "bench").engine_request.image_png
 
-        # the two paths really differ (the bytes may still be equal: the generator also writes compress_level 1)
-        assert passed_on() is data and re_encoded() is not data
-        times: dict[str, list[float]] = {"pass_through": [], "re_encode": []}
+        def pixels() -> bytes:
+            return ocr.prepare_page(pixels_ctx, req, data, vllm, "bench").engine_request.image_rgb
+
+        # the paths really differ (the bytes may still be equal: the generator also writes compress_level 1)
+        assert passed_on() is data and re_encoded() is not data and pixels() is not None
+        times: dict[str, list[float]] = {"pass_through": [], "re_encode": [], "pixels": []}
         for _ in range(rounds):
-            for name, fn in (("pass_through", passed_on), ("re_encode", re_encoded)):
+            for name, fn in (("pass_through", passed_on), ("re_encode", re_encoded), ("pixels", pixels)):
                 started = time.perf_counter()
                 for _ in range(per_round):
                     fn()
                 times[name].append((time.perf_counter() - started) * 1000 / per_round)
         ms = {name: round(statistics.median(v), 2) for name, v in times.items()}
         out[kind] = {"ms_per_page": ms, "re_encode_over_pass_through": round(ms["re_encode"] / ms["pass_through"], 2),
-                     "png_kib": len(data) // 1024}
+                     "pixels_over_pass_through": round(ms["pixels"] / ms["pass_through"], 2),
+                     "png_kib": len(data) // 1024, "pixels_kib": len(pixels()) // 1024}
     return out
 
 
@@ -324,11 +332,13 @@ def report(results: dict[str, Any]) -> str:
         lines.append("")
     a = results.get("admission")
     if a:
-        lines += ["| ingress CPU per page (`prepare_page`) | upload passed on, ms | re-encoded, ms | ratio |",
-                  "|---|---|---|---|"]
+        lines += ["| ingress CPU per page (`prepare_page`) | PNG passed on, ms | PNG re-encoded, ms | ratio | "
+                  "pixels, ms | ratio to passed on |", "|---|---|---|---|---|---|"]
         for kind, k in a.items():
-            lines.append(f"| {kind} ({k['png_kib']} KiB PNG) | {k['ms_per_page']['pass_through']} | "
-                         f"{k['ms_per_page']['re_encode']} | {k['re_encode_over_pass_through']}× |")
+            lines.append(f"| {kind} ({k['png_kib']} KiB PNG, {k['pixels_kib']} KiB pixels) | "
+                         f"{k['ms_per_page']['pass_through']} | {k['ms_per_page']['re_encode']} | "
+                         f"{k['re_encode_over_pass_through']}× | {k['ms_per_page']['pixels']} | "
+                         f"{k['pixels_over_pass_through']}× |")
         lines.append("")
     v = results.get("vllm")
     if v:

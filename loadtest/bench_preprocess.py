@@ -1,8 +1,12 @@
-"""Image preprocessing benchmark: the CPU work vLLM's frontend does for every HunyuanOCR request (PNG decode, then
-the HF `HunYuanVLImageProcessor`: smart_resize, normalise, patchify into (patches, 768) float32), per backend and
-thread count. vLLM 0.26 runs it in one frontend process (its renderer pool has 1 worker by default) and pins the PIL
-backend, so its cost per image caps a whole GPU's throughput: images/s here is the most any engine replica can
-serve with that configuration.
+"""Image preprocessing benchmark: the CPU work vLLM's frontend does for every HunyuanOCR request (the page as the
+engine replica gets it, then the HF `HunYuanVLImageProcessor`: smart_resize, normalise, patchify into (patches, 768)
+float32), per backend, input form and thread count. vLLM 0.26 runs it in one frontend process (its renderer pool
+has 1 worker by default) and pins the PIL backend, so its cost per image caps a whole GPU's throughput: images/s
+here is the most any engine replica can serve with that configuration.
+
+Input forms: `png` = the replica decodes a PNG file into a numpy array; `pixels` = it wraps the RGB pixels the ingress
+sent (settings.engine_image_transport; service.engine.vllm_engine.engine_image); `pil` = the decoded PNG as a PIL
+image, which is what raw vLLM hands the processor (and our engine did before 2026-11-30).
 
     python -m loadtest bench preprocess --out results/preprocess            # needs transformers (no vLLM, no GPU)
 
@@ -31,43 +35,70 @@ def _processor(kit: Path, backend: str):
     return AutoImageProcessor.from_pretrained(kit, backend=backend)
 
 
-def _decode(png: bytes):
-    """The engine's own PNG decode (what runs before the processor in a replica)."""
-    from service.engine.vllm_engine import _png_to_image
+def _page_request(png: bytes, transport: str):
+    """The EngineRequest the ingress sends for this page (pixels decoded there, outside the timed work)."""
+    from service.engine.protocol import EngineRequest
 
-    return _png_to_image(png)
+    image = EngineRequest(request_id="bench", task="text", image_png=png, width=1, height=1).pil_image()
+    page = {"image_rgb": image.tobytes()} if transport == "pixels" else {"image_png": png}  # pil: decoded PNG
+    return EngineRequest(request_id="bench", task="text", width=image.width, height=image.height, **page)
+
+
+def _decode(png: bytes, transport: str = "png"):
+    """The page as the engine replica hands it to vLLM's processor (what runs before the processor there);
+    `pil` = the decoded PIL image, as raw vLLM and our engine before 2026-11-30 handed it on."""
+    from service.engine.vllm_engine import engine_image
+
+    if transport == "pil":
+        return _page_request(png, "png").pil_image()
+    return engine_image(_page_request(png, transport))
 
 
 def packing_check(kit: Path, png: bytes) -> dict[str, Any]:
-    """Both backends on an image already at the processor's output size: they must agree (float rounding only)."""
+    """Both backends on an image already at the processor's output size: they must agree (float rounding only).
+    And what the engine hands the processor (a numpy array, from a PNG or from the ingress's pixels) must give
+    each backend exactly what the decoded PIL image gives it."""
     pil, tv = _processor(kit, "pil"), _processor(kit, "torchvision")
-    image = _decode(png)
+    image = _page_request(png, "png").pil_image()
     grid = pil(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
     exact = image.resize((grid[2] * 16, grid[1] * 16))
     a = pil(images=[exact], return_tensors="pt")["pixel_values"].float()
     b = tv(images=[exact], return_tensors="pt")["pixel_values"].float()
-    resized_a = pil(images=[image], return_tensors="pt")["pixel_values"].float()
-    resized_b = tv(images=[image], return_tensors="pt")["pixel_values"].float()
+    from_pil = {"pil": pil(images=[image], return_tensors="pt")["pixel_values"].float(),
+                "torchvision": tv(images=[image], return_tensors="pt")["pixel_values"].float()}
+    engine_diff: dict[str, float] = {}
+    for transport in ("png", "pixels"):
+        array = _decode(png, transport)
+        for name, proc in (("pil", pil), ("torchvision", tv)):
+            values = proc(images=[array], return_tensors="pt")["pixel_values"].float()
+            engine_diff[f"{transport}/{name}"] = float((values - from_pil[name]).abs().max())
     return {"shape": list(a.shape), "exact_size_max_abs_diff": float((a - b).abs().max()),
-            "resized_mean_abs_diff": float((resized_a - resized_b).abs().mean()),
-            "same_shape": a.shape == b.shape and resized_a.shape == resized_b.shape}
+            "resized_mean_abs_diff": float((from_pil["pil"] - from_pil["torchvision"]).abs().mean()),
+            "same_shape": a.shape == b.shape and from_pil["pil"].shape == from_pil["torchvision"].shape,
+            "engine_image_vs_pil_max_abs_diff": engine_diff}
 
 
-def throughput(kit: Path, backend: str, pngs: list[bytes], threads: int, seconds: float) -> dict[str, Any]:
+def throughput(kit: Path, backend: str, pngs: list[bytes], threads: int, seconds: float,
+               transport: str = "png") -> dict[str, Any]:
+    from service.engine.vllm_engine import engine_image
+
     processor = _processor(kit, backend)
+    requests = [_page_request(png, transport) for png in pngs]
 
-    def one(png: bytes) -> None:
-        processor(images=[_decode(png)], return_tensors="pt")
+    def one(request) -> None:
+        image = request.pil_image() if transport == "pil" else engine_image(request)
+        processor(images=[image], return_tensors="pt")
 
-    one(pngs[0])  # warm
+    one(requests[0])  # warm
     done, started = 0, time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         while time.perf_counter() - started < seconds:
-            batch = [pngs[(done + i) % len(pngs)] for i in range(threads * 2)]
+            batch = [requests[(done + i) % len(requests)] for i in range(threads * 2)]
             list(pool.map(one, batch))
             done += len(batch)
     elapsed = time.perf_counter() - started
-    return {"backend": backend, "threads": threads, "images": done, "images_per_s": round(done / elapsed, 1),
+    return {"backend": backend, "input": transport, "threads": threads, "images": done,
+            "images_per_s": round(done / elapsed, 1),
             "ms_per_image_one_thread_equiv": round(elapsed * 1000 * threads / done, 1)}
 
 
@@ -77,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2,4,8", help="thread counts to try (comma-separated)")
     p.add_argument("--backends", default="pil,torchvision")
     p.add_argument("--kinds", default="a4,id_card")
+    p.add_argument("--inputs", default="pil,png,pixels", help="page forms the processor gets (pil, png, pixels)")
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     args = p.parse_args(argv)
 
@@ -99,10 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "packing": packing_check(kit, pngs[0]), "runs": []}
         for backend in args.backends.split(","):
             for threads in (int(t) for t in args.threads.split(",")):
-                run = throughput(kit, backend, pngs, threads, args.seconds)
-                entry["runs"].append(run)
-                print(f"{kind:8s} {backend:12s} threads {threads:2d}: {run['images_per_s']:7.1f} images/s",
-                      flush=True)
+                for transport in args.inputs.split(","):  # side by side: the machine's load changes
+                    run = throughput(kit, backend, pngs, threads, args.seconds, transport)
+                    entry["runs"].append(run)
+                    print(f"{kind:8s} {backend:12s} {transport:6s} threads {threads:2d}: "
+                          f"{run['images_per_s']:7.1f} images/s", flush=True)
         result["kinds"][kind] = entry
         print(kind, "packing", entry["packing"], "png decode ms", entry["png_decode_ms"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,13 @@ class Settings(BaseSettings):
         "0.26 pins `pil`; `torchvision` packs patches identically (checked by `bench preprocess`) at 2-3x the "
         "images/s, and this per-image CPU work caps a replica's throughput (docs/BENCHMARKS.md)."
     )
+    engine_image_transport: Literal["png", "pixels"] = Field(
+        "png", description="How the ingress hands a page to an engine that takes both (vLLM). `png`: a PNG file (the "
+        "upload itself when it already is a bare PNG of the admitted pixels); the engine replica decodes it. "
+        "`pixels`: the decoded 8-bit RGB rows, so the replica decodes nothing, but each page in flight is height × "
+        "width × 3 bytes (an A4 page at 150 dpi 6.4 MB, against 0.17 MB of PNG) and crosses Ray as such; on CPU "
+        "that cost more than the decode it saves (docs/BENCHMARKS.md). The embedded engine always gets PNG."
+    )
     preprocess_workers: int = Field(
         8, ge=1, le=64, description="Threads that run the HF image processor for the engine (vLLM "
         "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (processor time per page)."

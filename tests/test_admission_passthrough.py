@@ -1,7 +1,8 @@
-"""What the ingress hands the engine: the upload itself when it already is a bare RGB PNG (pixel chunks only) of
-exactly the pixels the model must see (no re-encode), a fresh PNG otherwise (resized, oriented, converted, carrying
-metadata or a trailing payload), and in every case bytes that decode to the admitted pixels. (The hostile-input
-suite checks the same for polyglots.)"""
+"""What the ingress hands the engine. With the PNG transport: the upload itself when it already is a bare RGB PNG
+(pixel chunks only) of exactly the pixels the model must see (no re-encode), a fresh PNG otherwise (resized,
+oriented, converted, carrying metadata or a trailing payload), and in every case bytes that decode to the admitted
+pixels. With the pixel transport (`engine_image_transport: pixels`, for engines that take it): the admitted pixels
+themselves, and a PNG for engines that take only PNG. (The hostile-input suite checks the same for polyglots.)"""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def page(mode: str = "RGB", size=(800, 600)) -> Image.Image:
 
 async def engine_bytes(upload: bytes, **settings) -> tuple[bytes, dict]:
     engine = MockEngine()
-    async with make_client(engine, **settings) as client:
+    async with make_client(engine, **{"engine_image_transport": "png", **settings}) as client:
         resp = await client.post("/v1/ocr", json={"image": base64.b64encode(upload).decode(), "task": "text"})
     assert resp.status_code == 200, resp.text
     request = engine.requests[-1]
@@ -108,3 +109,58 @@ def test_base64_may_be_wrapped_in_any_whitespace_but_nothing_else():
         with pytest.raises(OCRError) as caught:
             decode_base64_image(bad, 1 << 20)
         assert caught.value.code == "invalid_base64"
+
+
+async def sent_request(upload: bytes, engine: MockEngine | None = None, **settings):
+    engine = engine or MockEngine()
+    async with make_client(engine, **settings) as client:
+        resp = await client.post("/v1/ocr", json={"image": base64.b64encode(upload).decode(), "task": "text"})
+    assert resp.status_code == 200, resp.text
+    return engine.requests[-1]
+
+
+async def test_pixels_are_the_admitted_pixels_whatever_came_in():
+    """The pixel transport: oriented, composited, resized pixels, exactly the PNG transport's pixels."""
+    rgba = page("RGBA", size=(800, 608))
+    oriented = page(size=(800, 608))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    jpeg = io.BytesIO()
+    page(size=(800, 608)).save(jpeg, format="JPEG", quality=90)
+    big = Image.new("RGB", (3000, 2000), "white")
+    big.paste((20, 30, 40), (100, 100, 2900, 300))
+    for name, upload in {"bare png": png(page(size=(800, 608))), "rgba": png(rgba),
+                         "exif orientation": png(oriented, exif=exif), "jpeg": jpeg.getvalue(),
+                         "resized": png(big)}.items():
+        settings = {"max_model_len": 2048} if name == "resized" else {}
+        request = await sent_request(upload, engine_image_transport="pixels", **settings)
+        assert request.image_png is None and request.image_rgb is not None, name
+        assert len(request.image_rgb) == request.width * request.height * 3, name
+        as_png, size = await engine_bytes(upload, **settings)
+        assert size == {"width": request.width, "height": request.height}, name
+        assert np.array_equal(request.rgb_array(), pixels(as_png)), name
+
+
+async def test_an_engine_that_takes_only_png_gets_png():
+    class PngOnlyEngine(MockEngine):
+        async def info(self):
+            return (await super().info()).model_copy(update={"image_transports": ["png"]})
+
+    upload = png(page(size=(800, 608)))
+    request = await sent_request(upload, PngOnlyEngine(), engine_image_transport="pixels")
+    assert request.image_rgb is None and request.image_png == upload
+
+
+def test_an_engine_request_holds_exactly_one_whole_image():
+    import pytest
+    from pydantic import ValidationError
+
+    from service.engine.protocol import EngineRequest
+
+    base = {"request_id": "r", "task": "text", "width": 4, "height": 2}
+    for bad in ({}, {"image_png": b"x", "image_rgb": b"\0" * 24}, {"image_rgb": b"\0" * 23}):
+        with pytest.raises(ValidationError):
+            EngineRequest(**base, **bad)
+    request = EngineRequest(**base, image_rgb=bytes(range(24)))
+    assert request.rgb_array().shape == (2, 4, 3) and request.rgb_array().flags.writeable
+    assert np.array_equal(np.asarray(request.pil_image()), request.rgb_array())

@@ -139,10 +139,12 @@ def test_bad_input_matrix_in_process(embedded_client, cases):
     assert steady_growth < MAX_STEADY_GROWTH_BYTES, f"RSS grew {steady_growth / 2**20:.0f} MiB on the second pass"
 
 
-def test_engine_sees_only_reencoded_png(cases):
+@pytest.mark.parametrize("transport", ["png", "pixels"])
+def test_engine_sees_only_reencoded_png(cases, transport):
     """Whatever container arrives (polyglot, JPEG with a script comment), the engine gets a fresh PNG: no trailing
-    payload, no metadata chunks of the upload."""
-    settings = Settings(engine="mock", **HOSTILE_SETTINGS)
+    payload, no metadata chunks of the upload; or, with the pixel transport, exactly width × height × 3 bytes of
+    pixels and nothing else."""
+    settings = Settings(engine="mock", engine_image_transport=transport, **HOSTILE_SETTINGS)
     engine = MockEngine()
     with TestClient(create_app(AppContext(settings=settings, engine=engine))) as client:
         polyglots = [c for c in cases["polyglot"] if "ok" in c.expect and c.file is not None]
@@ -151,7 +153,12 @@ def test_engine_sees_only_reencoded_png(cases):
             resp = client.request(case.method, case.path, **case.request_kwargs())
             if resp.status_code != 200:
                 continue
-            png = engine.requests[-1].image_png
+            request = engine.requests[-1]
+            if transport == "pixels":
+                assert request.image_png is None, case.name
+                assert len(request.image_rgb) == request.width * request.height * 3, case.name
+                continue
+            png = request.image_png
             assert png.startswith(b"\x89PNG\r\n\x1a\n") and png.endswith(b"IEND\xaeB`\x82"), case.name
             for marker in (b"<script", b"PK\x03\x04", b"%PDF", b"<?php", b"\x7fELF", b"<svg", b"tEXt"):
                 assert marker not in png, (case.name, marker)

@@ -4,7 +4,8 @@ vLLM builds the processor on first use and caches it per set of processor kwargs
 each build their own (a tokenizer deep copy apiece: 67-81 s for a burst of 8 in raw `vllm serve` on the H200,
 docs/BENCHMARKS.md). `VLLMEngine.start()` renders one page first, so a burst of real pages right after start must
 not build a processor at all. The processor is counted at its source (`ProcessorMixin.from_pretrained`), in this
-process, where vLLM's renderer runs.
+process, where vLLM's renderer runs. The same engine then checks that a page sent as pixels and as PNG gives the same
+tokens.
 
 Not marked `vllm`: it runs its own short-lived engine early, before the session's Serve deployment exists, so the two
 engines never hold memory at the same time."""
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+
+from tests.fixtures.documents import render_document
 
 
 async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, monkeypatch):
@@ -42,9 +45,8 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
     try:
         at_start = len(builds)  # vLLM's own start-up builds one too (its defaults, for memory profiling)
 
-        buf = io.BytesIO()
-        Image.new("RGB", (256, 192), "white").save(buf, format="PNG")
-        requests = [EngineRequest(request_id=f"burst-{i}", task="text", image_png=buf.getvalue(), width=256,
+        white = Image.new("RGB", (256, 192), "white").tobytes()  # the form the ingress sends (pixels)
+        requests = [EngineRequest(request_id=f"burst-{i}", task="text", image_rgb=white, width=256,
                                   height=192, prompt="Extract the text in the image.", max_tokens=2)
                     for i in range(4)]
         results = await asyncio.gather(*(engine.generate(r) for r in requests))
@@ -54,6 +56,19 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
         vllm_processor.cached_get_processor.cache_clear()
         await asyncio.gather(*(engine.generate(r) for r in requests[:2]))
         assert len(builds) > at_start
+
+        # the pixel transport gives the model what the PNG gives it: same greedy tokens, same logprobs
+        doc = render_document(["Invoice 2026", "Total 1,234.56"], size=(480, 270), font_size=28, top=40, gap=60,
+                              left=30)
+        image = Image.open(io.BytesIO(doc.png())).convert("RGB")
+        forms = {"png": {"image_png": doc.png()}, "pixels": {"image_rgb": image.tobytes()}}
+        pages = {name: await engine.generate(EngineRequest(
+            request_id=f"form-{name}", task="text", width=image.width, height=image.height, prompt="Read it.",
+            max_tokens=6, **form)) for name, form in forms.items()}
+        png_page, pixel_page = pages["png"], pages["pixels"]
+        assert pixel_page.text == png_page.text and pixel_page.image_tokens == png_page.image_tokens > 0
+        assert [t.token for t in pixel_page.tokens] == [t.token for t in png_page.tokens]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(pixel_page.tokens, png_page.tokens)) < 1e-4
     finally:
         await engine.shutdown()
 

@@ -24,7 +24,7 @@ from service.admission.limits import check_request_limits
 from service.admission.prompts import build_prompt, guided_json_for
 from service.api.context import AppContext
 from service.api.protocol import OCRRequest, OCRResponse
-from service.engine.protocol import EngineRequest, EngineResult
+from service.engine.protocol import EngineInfo, EngineRequest, EngineResult
 from service.errors import OCRError, openapi_error_responses
 from service.metrics import STATE_TASK, STATE_TENANT
 from service.parsing.extraction import check_schema, schema_for_fields
@@ -178,7 +178,7 @@ async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
         raise OCRError("forbidden", "raw model output is disabled on this service (include_raw_output)")
 
 
-def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str,
+def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineInfo,
                  request_id: str) -> PreparedPage:
     """CPU work of admission (run in a thread): decode, orient, budget, resize, re-encode, prompt."""
     s = ctx.settings
@@ -191,15 +191,17 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine_name: str
     else:
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                max_side=s.max_image_side, max_frames=s.max_frames)
-    return prepare_decoded_page(ctx, req, decoded, engine_name, request_id, started=started, source=source)
+    return prepare_decoded_page(ctx, req, decoded, engine, request_id, started=started, source=source)
 
 
-def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine_name: str, request_id: str,
-                         *, started: float | None = None, source: str = "image") -> PreparedPage:
-    """Budget, resize, re-encode and prompt an already decoded page (also used by jobs for rendered PDF pages). An
-    upload that already is a bare PNG of the planned pixels goes to the engine as it is."""
+def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine: EngineInfo,
+                         request_id: str, *, started: float | None = None, source: str = "image") -> PreparedPage:
+    """Budget, resize and prompt an already decoded page (also used by jobs for rendered PDF pages), in the form the
+    engine takes: pixels when it can (settings.engine_image_transport), else PNG, where an upload that already is
+    a bare PNG of the planned pixels goes on as it is."""
     s = ctx.settings
     started = time.perf_counter() if started is None else started
+    engine_name = engine.name
     task = TASKS[req.task]
     max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
     if engine_name == "embedded":
@@ -209,9 +211,13 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
                             min_pixels=s.min_image_pixels, max_pixels=s.max_engine_image_pixels)
     image = resize_to(decoded.image, plan.width, plan.height)
     prompt = build_prompt(req, s) if engine_name != "embedded" else None
+    if s.engine_image_transport == "pixels" and "pixels" in engine.image_transports:
+        page_image = {"image_rgb": (image if image.mode == "RGB" else image.convert("RGB")).tobytes()}
+    else:
+        page_image = {"image_png": decoded.png if decoded.png is not None and image is decoded.image
+                      else encode_png(image)}
     engine_request = EngineRequest(
-        request_id=request_id, task=req.task, width=plan.width, height=plan.height,
-        image_png=decoded.png if decoded.png is not None and image is decoded.image else encode_png(image),
+        request_id=request_id, task=req.task, width=plan.width, height=plan.height, **page_image,
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
         repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s), logprobs=req.confidence,
     )
@@ -255,7 +261,7 @@ async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tu
         raise OCRError("forbidden", f"this API key may not use adapter {req.adapter!r}")
     info = await ctx.get_engine_info()
     request_id = "ocr-" + uuid.uuid4().hex[:24]
-    page = await asyncio.to_thread(prepare_page, ctx, req, data, info.name, request_id)
+    page = await asyncio.to_thread(prepare_page, ctx, req, data, info, request_id)
     headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))
     return req, page, headers
 

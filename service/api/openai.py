@@ -172,7 +172,7 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
     def prepare():
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                max_side=s.max_image_side, max_frames=s.max_frames)
-        return prepare_decoded_page(ctx, ocr_req, decoded, info.name, request_id)
+        return prepare_decoded_page(ctx, ocr_req, decoded, info, request_id)
 
     page = await asyncio.to_thread(prepare)
     headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))

@@ -8,14 +8,12 @@ supports only the `spotting` and `text` tasks.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import time
 from pathlib import Path
 from typing import AsyncIterator
 
 import numpy as np
-from PIL import Image
 
 from service.engine.protocol import EngineDelta, EngineInfo, EngineLine, EngineRequest, EngineResult
 from service.errors import OCRError
@@ -58,9 +56,8 @@ class EmbeddedEngine:
         self._ocr = await asyncio.to_thread(RapidOCR, params=params)
         await self.check_health()
 
-    def _run(self, png: bytes) -> tuple[list[EngineLine], float]:
+    def _run(self, image: np.ndarray) -> tuple[list[EngineLine], float]:
         assert self._ocr is not None, "engine not started"
-        image = np.array(Image.open(io.BytesIO(png)).convert("RGB"))
         started = time.perf_counter()
         out = self._ocr(image)
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -78,7 +75,7 @@ class EmbeddedEngine:
             raise OCRError("unsupported_task", f"task {request.task!r} is not supported by the embedded engine "
                            f"(supported: {', '.join(SUPPORTED_TASKS)}); use the vllm engine")
         async with self._slots:
-            lines, engine_ms = await asyncio.to_thread(self._run, request.image_png)
+            lines, engine_ms = await asyncio.to_thread(lambda: self._run(request.rgb_array()))
         lines = sort_reading_order(lines)
         return EngineResult(text="\n".join(line.text for line in lines), lines=lines, finish_reason="stop",
                             output_tokens=sum(len(line.text) for line in lines), engine_ms=engine_ms)
@@ -91,10 +88,7 @@ class EmbeddedEngine:
 
     async def check_health(self) -> None:
         """A real tiny inference: a blank 64×32 image must run through det (and return nothing)."""
-        blank = Image.new("RGB", (64, 32), "white")
-        buf = io.BytesIO()
-        blank.save(buf, format="PNG")
-        await asyncio.to_thread(self._run, buf.getvalue())
+        await asyncio.to_thread(self._run, np.full((32, 64, 3), 255, dtype=np.uint8))
 
     async def info(self) -> EngineInfo:
         return EngineInfo(name=self.name, model=self._model_name, supported_tasks=list(SUPPORTED_TASKS))

@@ -80,8 +80,9 @@ class MockEngine:
         return None
 
     async def info(self) -> EngineInfo:
+        # both forms, like the vLLM engine, so tests of the layers above see the pixels the ingress sends
         return EngineInfo(name=self.name, model=self.model_name, supported_tasks=sorted(TASKS),
-                          adapters=sorted(self.adapters))
+                          adapters=sorted(self.adapters), image_transports=["pixels", "png"])
 
     async def list_adapters(self) -> list[str]:
         return sorted(self.adapters)

@@ -7,19 +7,25 @@ models so they cross Ray process boundaries unchanged.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol, runtime_checkable
+from typing import AsyncIterator, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+ImageTransport = Literal["png", "pixels"]
 
 
 class EngineRequest(BaseModel):
-    """One page for one task, already admitted, decoded, re-encoded and resized to the engine's image budget."""
+    """One page for one task, already admitted, decoded and resized to the engine's image budget: exactly one of
+    `image_png` and `image_rgb` holds it (`EngineInfo.image_transports` says which an engine takes)."""
 
     request_id: str = Field(description="Opaque id for logs and aborts (no document content).")
     task: str = Field(description="Task name from service.tasks.")
-    image_png: bytes = Field(description="The page as PNG bytes, exactly what the model sees.")
-    width: int = Field(description="Width of `image_png` in pixels.")
-    height: int = Field(description="Height of `image_png` in pixels.")
+    image_png: bytes | None = Field(None, description="The page as a PNG file, exactly what the model sees.")
+    image_rgb: bytes | None = Field(
+        None, description="The page as 8-bit RGB pixels, row after row (height × width × 3 bytes), exactly what the "
+        "model sees: no encode in the ingress, no decode in the engine.")
+    width: int = Field(gt=0, description="Width of the page in pixels.")
+    height: int = Field(gt=0, description="Height of the page in pixels.")
     prompt: str | None = Field(None, description="User text of the chat turn (VLM engines); no special tokens.")
     max_tokens: int = Field(1024, ge=1, description="Output token limit.")
     min_tokens: int = Field(0, ge=0, description="Minimum output tokens (benchmarks fix output lengths).")
@@ -28,6 +34,35 @@ class EngineRequest(BaseModel):
     logprobs: bool = Field(True, description="Return the sampled tokens' logprobs (confidence).")
     guided_json: dict | None = Field(None, description="JSON Schema for guided decoding (extraction retry).")
     repetition_penalty: float = Field(1.0, description="Sampling repetition penalty.")
+
+    @model_validator(mode="after")
+    def _one_image(self) -> "EngineRequest":
+        if (self.image_png is None) == (self.image_rgb is None):
+            raise ValueError("exactly one of image_png and image_rgb must be set")
+        if self.image_rgb is not None and len(self.image_rgb) != self.width * self.height * 3:
+            raise ValueError(f"image_rgb holds {len(self.image_rgb)} bytes, not {self.width}x{self.height}x3")
+        return self
+
+    def rgb_array(self):
+        """The page as a (height, width, 3) uint8 numpy array (decoded from PNG when it came as one)."""
+        import numpy as np
+
+        if self.image_rgb is not None:
+            # a writable copy: torch.from_numpy, which HF image processors call, warns on read-only buffers
+            return np.frombuffer(self.image_rgb, dtype=np.uint8).reshape(self.height, self.width, 3).copy()
+        return np.array(self.pil_image())  # one copy, writable
+
+    def pil_image(self):
+        """The page as an RGB PIL image."""
+        import io
+
+        from PIL import Image
+
+        if self.image_rgb is not None:
+            return Image.frombytes("RGB", (self.width, self.height), self.image_rgb)
+        image = Image.open(io.BytesIO(self.image_png))
+        image.load()
+        return image.convert("RGB") if image.mode != "RGB" else image
 
 
 class EngineLine(BaseModel):
@@ -71,6 +106,8 @@ class EngineInfo(BaseModel):
     supported_tasks: list[str]
     max_model_len: int | None = None
     adapters: list[str] = Field(default_factory=list)
+    image_transports: list[ImageTransport] = Field(
+        default_factory=lambda: ["png"], description="Forms of `EngineRequest` image the engine takes.")
 
 
 @runtime_checkable

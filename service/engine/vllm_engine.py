@@ -1,7 +1,7 @@
 """HunyuanOCR on vLLM: one `AsyncLLM` per engine replica, LoRA adapters in vLLM's slots.
 
-Request flow inside the engine: EngineRequest (image already resized to the budget by the ingress, user text already
-sanitised) → chat-template prompt with the image token → SamplingParams (greedy, sampled-token logprobs, optional
+Request flow inside the engine: EngineRequest (image already decoded to RGB pixels and resized to the budget by the
+ingress, user text already sanitised) → chat-template prompt with the image token → SamplingParams (greedy, sampled-token logprobs, optional
 min_tokens/ignore_eos/guided JSON) → vLLM's renderer (tokenizer + HF image processor, in its thread pool) →
 AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the text stream (aborts
 a looping generation) → EngineResult with the raw text, per-token logprobs and token counts.
@@ -16,7 +16,6 @@ registry at start.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 import math
 import os
@@ -56,12 +55,11 @@ class LoadedAdapter:
     loaded_at: float
 
 
-def _png_to_image(data: bytes):
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image.convert("RGB") if image.mode != "RGB" else image
+def engine_image(request: EngineRequest):
+    """The page as vLLM's processor gets it: a (height, width, 3) uint8 numpy array, decoded from the PNG or
+    wrapping the ingress's pixels. vLLM's parser and the HF processor each copy a PIL image (EXIF transpose,
+    tobytes) and take an array as it is; the processor's values are the same either way (`bench preprocess`)."""
+    return request.rgb_array()
 
 
 def _on_cpu() -> bool:
@@ -173,11 +171,11 @@ class VLLMEngine:
         apiece): on the H200 the first burst of 8 pages waited 67-77 s in raw `vllm serve`, and a new replica would
         do the same to its first users. One render here builds it once; requests then hit the cache (same kwargs:
         _render_inputs)."""
-        from PIL import Image
+        import numpy as np
 
         started = time.perf_counter()
-        await self._llm.renderer.render_cmpl_async(
-            [self._render_inputs(self.render_prompt("warm-up"), Image.new("RGB", (64, 64), "white"))])
+        white = np.full((64, 64, 3), 255, dtype=np.uint8)  # the form pages come in (engine_image)
+        await self._llm.renderer.render_cmpl_async([self._render_inputs(self.render_prompt("warm-up"), white)])
         log.info("image processor ready in %.0f ms", (time.perf_counter() - started) * 1000)
 
     def _render_inputs(self, prompt: str, image: Any) -> dict[str, Any]:
@@ -198,18 +196,16 @@ class VLLMEngine:
         await llm.check_health()  # raises EngineDeadError once the engine core died
         if time.monotonic() - self._last_success < HEALTH_PROBE_SKIP_S:
             return  # a real request just finished: no probe, which under load would queue behind the work
-        from PIL import Image
-
-        buf = io.BytesIO()
-        Image.new("RGB", (HEALTH_IMAGE_SIDE, HEALTH_IMAGE_SIDE), "white").save(buf, format="PNG")
-        probe = EngineRequest(request_id="health-" + uuid.uuid4().hex[:12], task="text", image_png=buf.getvalue(),
+        white = b"\xff" * (HEALTH_IMAGE_SIDE * HEALTH_IMAGE_SIDE * 3)
+        probe = EngineRequest(request_id="health-" + uuid.uuid4().hex[:12], task="text", image_rgb=white,
                               width=HEALTH_IMAGE_SIDE, height=HEALTH_IMAGE_SIDE, prompt="OK", max_tokens=1,
                               logprobs=False)
         await self.generate(probe)
 
     async def info(self) -> EngineInfo:
         return EngineInfo(name=self.name, model=self.settings.served_model_name, supported_tasks=sorted(TASKS),
-                          max_model_len=self.settings.max_model_len, adapters=await self.list_adapters())
+                          max_model_len=self.settings.max_model_len, adapters=await self.list_adapters(),
+                          image_transports=["pixels", "png"])
 
     def _require_llm(self):
         if self._llm is None:
@@ -341,7 +337,9 @@ class VLLMEngine:
         lora = await self._lora_request(request.adapter) if request.adapter else None
         prompt = self.render_prompt(request.prompt)
         started = time.perf_counter()
-        image = await asyncio.to_thread(_png_to_image, request.image_png)
+        # pixels need no thread (one copy, well under a millisecond); a PNG decode would hold up this event loop
+        image = engine_image(request) if request.image_rgb is not None else await asyncio.to_thread(
+            engine_image, request)
         # the renderer's thread pool runs the HF image processor: off this event loop and several pages at once
         # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
         (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, image)])

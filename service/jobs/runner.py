@@ -196,7 +196,7 @@ class JobRunner:
         decoded = DecodedImage(image=rendered.image, format="PDF" if record.source == "pdf" else "IMAGE",
                                width=rendered.image.width, height=rendered.image.height)
         try:
-            prepared = await asyncio.to_thread(prepare_decoded_page, self.ctx, req, decoded, info.name, request_id,
+            prepared = await asyncio.to_thread(prepare_decoded_page, self.ctx, req, decoded, info, request_id,
                                                source="pdf" if record.source == "pdf" else "image")
             preview = await asyncio.to_thread(_preview, rendered.image) if record.return_page_images else None
             rendered.image = None  # only the engine copy is kept from here on
