@@ -80,7 +80,7 @@ class MockEngine:
         return None
 
     async def info(self) -> EngineInfo:
-        # both forms, like the vLLM engine, so tests of the layers above see the pixels the ingress sends
+        # both forms, like the vLLM engine, so tests of the layers above can use either transport
         return EngineInfo(name=self.name, model=self.model_name, supported_tasks=sorted(TASKS),
                           adapters=sorted(self.adapters), image_transports=["pixels", "png"])
 

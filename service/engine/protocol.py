@@ -66,7 +66,7 @@ class EngineRequest(BaseModel):
 
 
 class EngineLine(BaseModel):
-    """A recognised line from an engine that detects lines itself (embedded engine); pixels of `image_png`."""
+    """A recognised line from an engine that detects lines itself (embedded engine); pixels of the page sent."""
 
     text: str
     polygon: list[list[float]] = Field(description="4 points [[x,y],...] clockwise from top-left.")

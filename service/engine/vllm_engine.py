@@ -1,10 +1,10 @@
 """HunyuanOCR on vLLM: one `AsyncLLM` per engine replica, LoRA adapters in vLLM's slots.
 
-Request flow inside the engine: EngineRequest (image already decoded to RGB pixels and resized to the budget by the
-ingress, user text already sanitised) → chat-template prompt with the image token → SamplingParams (greedy, sampled-token logprobs, optional
-min_tokens/ignore_eos/guided JSON) → vLLM's renderer (tokenizer + HF image processor, in its thread pool) →
-AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the text stream (aborts
-a looping generation) → EngineResult with the raw text, per-token logprobs and token counts.
+Request flow inside the engine: EngineRequest (the page as PNG or RGB pixels, already resized to the budget by the
+ingress; user text already sanitised) → numpy page (engine_image) → chat-template prompt with the image token →
+SamplingParams (greedy, sampled-token logprobs, optional min_tokens/ignore_eos/guided JSON) → vLLM's renderer
+(tokenizer + HF image processor, in its thread pool) → AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the
+text stream (aborts a looping generation) → EngineResult with the raw text, per-token logprobs and token counts.
 
 Prompt form: HunyuanOCR's prompt carries the BARE image token `<｜hy_place▁holder▁no▁102｜>`; vLLM's native model
 (GPU builds, vLLM 0.26) adds the image start/end tokens itself, and a prompt that already wraps it gets two start
