@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import signal
 import sys
 from pathlib import Path
 
@@ -33,7 +34,15 @@ BENCHMARKS = {
 }
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    # unwinds the `with` and `finally` blocks, so the servers a benchmark started (each in its own process group,
+    # out of reach of a signal to this one) are stopped too: `timeout` or a Ctrl-C'd wrapper must not leave a vLLM
+    # engine holding memory behind
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)

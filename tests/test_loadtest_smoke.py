@@ -135,3 +135,50 @@ def test_serve_mode_benchmark_runs_both_modes(tmp_path):
     assert "Throughput optimized Ray Serve enabled" in logs["service-throughput_optimized-0.log"]
     assert "Throughput optimized Ray Serve enabled" not in logs["service-standard-0.log"]
     assert "| id_card_1000x630 | throughput_optimized |" in (out / "report.md").read_text()
+
+
+def test_a_terminated_benchmark_stops_the_service_it_started(tmp_path):
+    """`timeout` (SIGTERM) on a benchmark must not leave its server behind: the server runs in its own session, out of
+    reach of the signal, so the benchmark has to stop it on the way out. (A killed `bench gpu --tiny` once left a
+    vLLM engine holding 2 GB of a CI machine.)"""
+    import os
+    import signal
+    import sys
+    import time
+
+    from loadtest.common import _session_members
+    from tests.fixtures.reliability import wait_for
+
+    bench = subprocess.Popen([sys.executable, "-m", "loadtest", "bench", "cpu", "--parts", "overhead",
+                              "--overhead-requests", "100000", "--out", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    services: list[int] = []
+    try:
+        from service.cli import READY_MARKER
+
+        logs = tmp_path / "logs"
+        wait_for(lambda: any(READY_MARKER in p.read_text(errors="replace") for p in logs.glob("*.log")), 180,
+                 what="the benchmark's service ready")
+        time.sleep(2)  # into the measuring loop
+        services = _session_members_of_children(bench.pid)
+        assert services, "no service session found under the benchmark"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(120) == 128 + signal.SIGTERM
+        time.sleep(1)
+        left = [pid for sid in services for pid in _session_members(sid)]
+        assert not left, f"processes of the benchmark's service outlived it: {left}"
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGKILL)
+        for pid in [pid for sid in services for pid in _session_members(sid)]:  # a failed run's leftovers
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _session_members_of_children(pid: int) -> list[int]:
+    """Session ids of `pid`'s direct children that lead their own session (the servers ManagedProcess starts)."""
+    import psutil
+
+    return [child.pid for child in psutil.Process(pid).children() if os.getsid(child.pid) == child.pid]
