@@ -287,6 +287,21 @@ async def test_repetition_is_cut_and_flagged(page_b64, stream):
     if stream:  # the ingress stopped reading long before the engine's 4900 characters
         delta_chars = sum(len(d["text"]) for e, d in parse_sse(resp.text) if e == "delta")
         assert delta_chars < 1000
+    assert body["usage"]["output_tokens"] > 0
+
+
+async def test_a_stream_cut_without_confidences_still_counts_its_tokens(page_b64):
+    """`confidence: false` sends no logprobs with the deltas: the cut result counts the tokens the engine
+    reported generating (the mock: one per 4-character delta), up to where the ingress stopped reading."""
+    engine = MockEngine(responder=looping_responder)
+    async with make_client(engine, repetition_min_chars=200, max_output_tokens=4096) as client:
+        resp = await client.post("/v1/ocr", json={"image": page_b64, "task": "text", "stream": True,
+                                                  "max_tokens": 4096, "confidence": False})
+    events = parse_sse(resp.text)
+    result = events[-1][1]
+    assert result["finish_reason"] == "repetition" and result["confidence"] is None
+    sent = sum(1 for e, _ in events if e == "delta")
+    assert sent <= result["usage"]["output_tokens"] < 250  # the looping deltas read in grace count, the rest not
 
 
 async def test_normal_long_output_is_untouched(page_b64):

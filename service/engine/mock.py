@@ -68,7 +68,7 @@ class MockEngine:
         tokens = [TokenLogprob(token=p, logprob=math.log(0.80 + 0.19 * ((i * 7919) % 100) / 100))
                   for i, p in enumerate(pieces)]
         for token in tokens:
-            yield EngineDelta(text=token.token, tokens=[token] if request.logprobs else None)
+            yield EngineDelta(text=token.token, tokens=[token] if request.logprobs else None, token_count=1)
         finish = "length" if len(pieces) * 4 < len(text) else "stop"
         yield EngineDelta(final=EngineResult(
             text="".join(pieces), tokens=tokens if request.logprobs else None, finish_reason=finish, prompt_tokens=32,

@@ -97,6 +97,8 @@ class EngineDelta(BaseModel):
 
     text: str = ""
     tokens: list[TokenLogprob] | None = None
+    token_count: int = Field(0, ge=0, description="Output tokens generated since the previous delta (0 where the "
+                             "engine does not count them); the count when `tokens` is None.")
     final: EngineResult | None = None
 
 

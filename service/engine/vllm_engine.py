@@ -352,6 +352,7 @@ class VLLMEngine:
         tokens: list[TokenLogprob] | None = [] if request.logprobs else None
         prompt_ids: list[int] = []
         output_tokens = 0
+        unsent_tokens = 0  # generated since the last delta (tokens that decode to no text yet)
         finish_reason = "stop"
         completed = False
         generator = llm.generate(engine_input, params, request_id, lora_request=lora)
@@ -365,11 +366,13 @@ class VLLMEngine:
                 piece = completion.text
                 new_tokens = _token_logprobs(completion, self._special_ids) if tokens is not None else None
                 output_tokens += len(completion.token_ids)
+                unsent_tokens += len(completion.token_ids)
                 if piece or new_tokens:
                     text_parts.append(piece)
                     if new_tokens:
                         tokens.extend(new_tokens)
-                    yield EngineDelta(text=piece, tokens=new_tokens or None)
+                    yield EngineDelta(text=piece, tokens=new_tokens or None, token_count=unsent_tokens)
+                    unsent_tokens = 0
                 if guard is not None and piece and guard.feed(piece):
                     finish_reason = "repetition"
                     break

@@ -38,6 +38,7 @@ class OutputStream:
         self.guard = RepetitionGuard.from_settings(settings) if generative else RepetitionGuard(min_chars=0)
         self.spotter = IncrementalSpotting() if task in TASKS and TASKS[task].output == "lines" else None
         self.tokens: list[TokenLogprob] = []
+        self.generated = 0  # output tokens the engine reported (EngineDelta.token_count), past the loop too
         self.lines_sent = 0
         self.started = time.perf_counter()
         self._grace = GRACE_DELTAS
@@ -54,6 +55,7 @@ class OutputStream:
     def feed(self, delta: EngineDelta) -> list[tuple[str, dict]]:
         """Events for one delta (the final delta gives none: the caller builds the `result`)."""
         events: list[tuple[str, dict]] = []
+        self.generated += delta.token_count
         if self.guard.looping:  # nothing past the loop is sent
             self._grace -= 1
             return events
@@ -74,12 +76,14 @@ class OutputStream:
         return events
 
     def cut_result(self) -> EngineResult:
-        """The result after the guard stopped the stream: output up to the loop, finish_reason `repetition`."""
+        """The result after the guard stopped the stream: output up to the loop, finish_reason `repetition`. Its
+        output_tokens are the kept tokens when logprobs came with the deltas, else what the engine generated (as
+        for a finished result cut by `guard_result`)."""
         kept = self.guard.kept_chars
         tokens = keep_tokens(self.tokens, kept) if self.tokens else None
         return EngineResult(
             text=self.guard.kept_text, tokens=tokens, finish_reason="repetition",
-            output_tokens=len(tokens) if tokens is not None else 0,
+            output_tokens=len(tokens) if tokens is not None else self.generated,
             engine_ms=(time.perf_counter() - self.started) * 1000,
         )
 
