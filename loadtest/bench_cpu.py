@@ -239,7 +239,7 @@ def bench_vllm(out: Path, step_s: float, levels: str) -> dict[str, Any]:
 
 def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
     """`prepare_page` per document kind for the vLLM engine, rounds alternating: the PNG transport with the upload
-    passed on, the same re-encoded, and the pixel transport (the default)."""
+    passed on (the default), the same re-encoded, and the pixel transport."""
     import dataclasses
 
     from service.admission.images import decode_image

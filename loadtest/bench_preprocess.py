@@ -37,9 +37,13 @@ def _processor(kit: Path, backend: str):
 
 def _page_request(png: bytes, transport: str):
     """The EngineRequest the ingress sends for this page (pixels decoded there, outside the timed work)."""
+    import io
+
+    from PIL import Image
+
     from service.engine.protocol import EngineRequest
 
-    image = EngineRequest(request_id="bench", task="text", image_png=png, width=1, height=1).pil_image()
+    image = Image.open(io.BytesIO(png)).convert("RGB")
     page = {"image_rgb": image.tobytes()} if transport == "pixels" else {"image_png": png}  # pil: decoded PNG
     return EngineRequest(request_id="bench", task="text", width=image.width, height=image.height, **page)
 

@@ -140,7 +140,7 @@ def test_bad_input_matrix_in_process(embedded_client, cases):
 
 
 @pytest.mark.parametrize("transport", ["png", "pixels"])
-def test_engine_sees_only_reencoded_png(cases, transport):
+def test_engine_sees_no_byte_of_the_upload_container(cases, transport):
     """Whatever container arrives (polyglot, JPEG with a script comment), the engine gets a fresh PNG: no trailing
     payload, no metadata chunks of the upload; or, with the pixel transport, exactly width × height × 3 bytes of
     pixels and nothing else."""

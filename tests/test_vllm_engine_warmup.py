@@ -5,7 +5,7 @@ each build their own (a tokenizer deep copy apiece: 67-81 s for a burst of 8 in 
 docs/BENCHMARKS.md). `VLLMEngine.start()` renders one page first, so a burst of real pages right after start must
 not build a processor at all. The processor is counted at its source (`ProcessorMixin.from_pretrained`), in this
 process, where vLLM's renderer runs. The same engine then checks that a page sent as pixels and as PNG gives the same
-tokens.
+tokens, and that its stream's per-delta token counts add up to what it generated.
 
 Not marked `vllm`: it runs its own short-lived engine early, before the session's Serve deployment exists, so the two
 engines never hold memory at the same time."""
@@ -45,7 +45,7 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
     try:
         at_start = len(builds)  # vLLM's own start-up builds one too (its defaults, for memory profiling)
 
-        white = Image.new("RGB", (256, 192), "white").tobytes()  # the form the ingress sends (pixels)
+        white = Image.new("RGB", (256, 192), "white").tobytes()  # the pixel transport's form
         requests = [EngineRequest(request_id=f"burst-{i}", task="text", image_rgb=white, width=256,
                                   height=192, prompt="Extract the text in the image.", max_tokens=2)
                     for i in range(4)]
@@ -69,6 +69,13 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
         assert pixel_page.text == png_page.text and pixel_page.image_tokens == png_page.image_tokens > 0
         assert [t.token for t in pixel_page.tokens] == [t.token for t in png_page.tokens]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(pixel_page.tokens, png_page.tokens)) < 1e-4
+
+        # every delta says how many tokens it brings (what the ingress counts when it cuts a stream without
+        # logprobs): together, all the engine generated
+        deltas = [d async for d in engine.stream(EngineRequest(
+            request_id="counted", task="text", width=image.width, height=image.height, prompt="Read it.",
+            max_tokens=6, logprobs=False, image_png=doc.png()))]
+        assert sum(d.token_count for d in deltas) == deltas[-1].final.output_tokens > 0
     finally:
         await engine.shutdown()
 
