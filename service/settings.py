@@ -121,6 +121,14 @@ class Settings(BaseSettings):
         "width × 3 bytes (an A4 page at 150 dpi 6.4 MB, against 0.17 MB of PNG) and crosses Ray as such; on CPU "
         "that cost more than the decode it saves (docs/BENCHMARKS.md). The embedded engine always gets PNG."
     )
+    engine_image_presize: bool = Field(
+        False, description="The ingress resizes each page to the size the engine's image processor would (sides in "
+        "multiples of 32, area within the processor's min/max pixels) with that processor's own kernel, so the "
+        "processor in the engine replica skips its resize and the model sees identical pixels. Moves that CPU work "
+        "(10-16 % of a busy replica's, docs/BENCHMARKS.md) to the ingress, which scales out. Needs torchvision in "
+        "the ingress (it comes with vLLM); without it the engine resizes. With `png` transport the ingress also "
+        "re-encodes pages it resized."
+    )
     preprocess_workers: int = Field(
         8, ge=1, le=64, description="Threads that run the HF image processor for the engine (vLLM "
         "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (processor time per page)."

@@ -5,7 +5,7 @@ each build their own (a tokenizer deep copy apiece: 67-81 s for a burst of 8 in 
 docs/BENCHMARKS.md). `VLLMEngine.start()` renders one page first, so a burst of real pages right after start must
 not build a processor at all. The processor is counted at its source (`ProcessorMixin.from_pretrained`), in this
 process, where vLLM's renderer runs. The same engine then checks that a page sent as pixels and as PNG gives the same
-tokens, and that its stream's per-delta token counts add up to what it generated.
+tokens, that a page the ingress presized gives them too without a resize in the processor, and that its stream's per-delta token counts add up to what it generated.
 
 Not marked `vllm`: it runs its own short-lived engine early, before the session's Serve deployment exists, so the two
 engines never hold memory at the same time."""
@@ -69,6 +69,37 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
         assert pixel_page.text == png_page.text and pixel_page.image_tokens == png_page.image_tokens > 0
         assert [t.token for t in pixel_page.tokens] == [t.token for t in png_page.tokens]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(pixel_page.tokens, png_page.tokens)) < 1e-4
+
+        # a page the ingress sized for the processor (engine_image_presize) gives the same tokens and logprobs as
+        # the page it came from, and the processor resizes nothing: it would have resized the original
+        from torchvision.transforms.v2 import functional as tvF
+
+        from service.admission.presize import presize
+
+        processor = (await engine.info()).image_processor
+        assert processor is not None and processor.backend == "torchvision" and processor.factor == 32
+        sized = presize(image, processor)
+        assert sized.size == (704, 384)  # 480x270 is below min_pixels: upscaled, sides to multiples of 32
+        real_resize, resizes = tvF.resize, []
+
+        def counting_resize(pixels, size, *args, **kwargs):
+            if list(pixels.shape[-2:]) != list(size):
+                resizes.append(tuple(size))
+            return real_resize(pixels, size, *args, **kwargs)
+
+        monkeypatch.setattr(tvF, "resize", counting_resize)
+        presized_page = await engine.generate(EngineRequest(
+            request_id="presized", task="text", width=sized.width, height=sized.height, prompt="Read it.",
+            max_tokens=6, image_rgb=sized.tobytes()))
+        assert resizes == []
+        await engine.generate(EngineRequest(request_id="unsized", task="text", width=image.width,
+                                            height=image.height, prompt="Read it.", max_tokens=1,
+                                            image_rgb=image.tobytes()))
+        assert resizes == [(384, 704)]
+        monkeypatch.setattr(tvF, "resize", real_resize)
+        assert presized_page.image_tokens == png_page.image_tokens
+        assert [t.token for t in presized_page.tokens] == [t.token for t in png_page.tokens]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(presized_page.tokens, png_page.tokens)) < 1e-4
 
         # every delta says how many tokens it brings (what the ingress counts when it cuts a stream without
         # logprobs): together, all the engine generated

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
 
@@ -10,6 +11,8 @@ from service.admission.ratelimit import LocalTokenBucket, Limiter
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
 from service.metrics import IngressMetrics
 from service.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 class EngineClient(Protocol):
@@ -57,5 +60,15 @@ class AppContext:
 
     async def get_engine_info(self) -> EngineInfo:
         if self.engine_info is None:
-            self.engine_info = await self.engine.info()
+            info = await self.engine.info()
+            if self.settings.engine_image_presize and info.image_processor is not None:
+                try:
+                    from service.admission.presize import check_available
+
+                    check_available(info.image_processor.backend)
+                except ImportError as exc:  # the engine still resizes: same answers, its CPU instead of ours
+                    log.warning("engine_image_presize is on but this ingress cannot resize like the engine's "
+                                "processor (%s); the engine resizes", exc)
+                    info = info.model_copy(update={"image_processor": None})
+            self.engine_info = info
         return self.engine_info

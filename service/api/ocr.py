@@ -21,6 +21,7 @@ from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm
 from service.admission.images import (DecodedImage, decode_base64_image, decode_image, encode_png, resize_to,
                                      sniff_format)
 from service.admission.limits import check_request_limits
+from service.admission.presize import presize
 from service.admission.prompts import build_prompt, guided_json_for
 from service.api.context import AppContext
 from service.api.protocol import OCRRequest, OCRResponse
@@ -210,6 +211,9 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
         plan = plan_for_vlm(decoded.width, decoded.height, max_model_len=s.max_model_len, max_tokens=max_tokens,
                             min_pixels=s.min_image_pixels, max_pixels=s.max_engine_image_pixels)
     image = resize_to(decoded.image, plan.width, plan.height)
+    if s.engine_image_presize and engine.image_processor is not None:
+        # the engine's processor would resize to multiples of 32 in its busy replica; same kernel here, same pixels
+        image = presize(image, engine.image_processor)
     prompt = build_prompt(req, s) if engine_name != "embedded" else None
     if s.engine_image_transport == "pixels" and "pixels" in engine.image_transports:
         page_image = {"image_rgb": (image if image.mode == "RGB" else image.convert("RGB")).tobytes()}
@@ -217,7 +221,7 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
         page_image = {"image_png": decoded.png if decoded.png is not None and image is decoded.image
                       else encode_png(image)}
     engine_request = EngineRequest(
-        request_id=request_id, task=req.task, width=plan.width, height=plan.height, **page_image,
+        request_id=request_id, task=req.task, width=image.width, height=image.height, **page_image,
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
         repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s), logprobs=req.confidence,
     )

@@ -102,6 +102,17 @@ class EngineDelta(BaseModel):
     final: EngineResult | None = None
 
 
+class ImageProcessorInfo(BaseModel):
+    """The HF image processor an engine runs on every page before the model. It resizes each page to sides in
+    multiples of `factor` with an area in [min_pixels, max_pixels] (`smart_resize`); a page already at that size
+    skips the resize, so the ingress can do it (settings.engine_image_presize)."""
+
+    backend: Literal["pil", "torchvision"] = Field(description="Which implementation resizes (its kernel).")
+    factor: int = Field(gt=0, description="Sides become multiples of this: patch size × spatial merge.")
+    min_pixels: int = Field(gt=0, description="Smaller pages are upscaled to this area.")
+    max_pixels: int = Field(gt=0, description="Larger pages are downscaled to this area.")
+
+
 class EngineInfo(BaseModel):
     name: str = Field(description="Engine kind: embedded | vllm | mock.")
     model: str = Field(description="Served model name.")
@@ -110,6 +121,8 @@ class EngineInfo(BaseModel):
     adapters: list[str] = Field(default_factory=list)
     image_transports: list[ImageTransport] = Field(
         default_factory=lambda: ["png"], description="Forms of `EngineRequest` image the engine takes.")
+    image_processor: ImageProcessorInfo | None = Field(
+        None, description="The image processor the engine runs on each page, where it has one (vLLM).")
 
 
 @runtime_checkable

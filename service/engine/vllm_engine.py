@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from service.admission.prompts import sanitize_user_text
-from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult, TokenLogprob
+from service.engine.protocol import (EngineDelta, EngineInfo, EngineRequest, EngineResult, ImageProcessorInfo,
+                                     TokenLogprob)
 from service.errors import OCRError
 from service.metrics import vllm_stat_loggers
 from service.settings import Settings
@@ -62,6 +63,24 @@ def engine_image(request: EngineRequest):
     return request.rgb_array()
 
 
+def image_processor_info(model_dir: Path, backend: str) -> ImageProcessorInfo | None:
+    """How the model's HF image processor sizes pages (its preprocessor_config.json), for the ingress's presize;
+    None where the file does not say (the engine then resizes, as always)."""
+    import json
+
+    try:
+        config = json.loads((model_dir / "preprocessor_config.json").read_text())
+        size = config.get("size") or {}
+        return ImageProcessorInfo(
+            backend=backend, factor=int(config["patch_size"]) * int(config["merge_size"]),
+            min_pixels=int(config.get("min_pixels") or size["shortest_edge"]),
+            max_pixels=int(config.get("max_pixels") or size["longest_edge"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("no image processor size from %s (%s): pages are resized in the engine",
+                    model_dir / "preprocessor_config.json", exc)
+        return None
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -91,6 +110,7 @@ class VLLMEngine:
         self._llm = None
         self._tokenizer = None
         self._wrap_image_token = False
+        self._image_processor = image_processor_info(self.model_dir, settings.image_processor_backend)
         self._special_ids: set[int] = set()
         self._last_success = float("-inf")  # monotonic time the last generation completed
         self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # loaded in vLLM, least recent first
@@ -205,7 +225,7 @@ class VLLMEngine:
     async def info(self) -> EngineInfo:
         return EngineInfo(name=self.name, model=self.settings.served_model_name, supported_tasks=sorted(TASKS),
                           max_model_len=self.settings.max_model_len, adapters=await self.list_adapters(),
-                          image_transports=["pixels", "png"])
+                          image_transports=["pixels", "png"], image_processor=self._image_processor)
 
     def _require_llm(self):
         if self._llm is None:
