@@ -105,7 +105,6 @@ def test_builtin_check_catches_unknown_fields(chart_renders):
     ({"redis": {"external": {"url": "http://not-redis"}}}, "url"),
     ({"ingress": {"enable": True}}, "enable"),                                # unknown key
     ({"upgradeStrategy": "Rolling"}, "upgradeStrategy"),
-    ({"rayWorkerNiceness": -5}, "rayWorkerNiceness"),                         # lowering it needs CAP_SYS_NICE
 ])
 def test_schema_rejects_bad_values(bad, message):
     import helm_python as helm
@@ -264,29 +263,17 @@ def test_redis_modes(chart_renders):
     assert redis_env(chart_renders["minimal"]) is None
 
 
-def ray_container_env(objects, name: str) -> tuple[set[str], int]:
-    """Values of one environment variable over the head's and every worker group's Ray container, and the count
-    of pods that set it."""
-    cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
-    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
-                                                             for g in cluster["workerGroupSpecs"]]
-    values = [e["value"] for pod in pods for e in pod["containers"][0]["env"] if e["name"] == name]
-    return set(values), len(values)
-
-
 def test_serve_throughput_mode_is_set_on_every_ray_container():
     """Every Ray process reads RAY_SERVE_THROUGHPUT_OPTIMIZED when it starts: head and workers must agree."""
-    name = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
-    assert ray_container_env(rendered_objects(render_chart()), name) == ({"0"}, 2)
-    assert ray_container_env(rendered_objects(render_chart({"rayServeThroughputOptimized": True})), name) == ({"1"}, 2)
+    def modes(objects):
+        cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
+        pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
+                                                                 for g in cluster["workerGroupSpecs"]]
+        return {e["value"] for pod in pods for e in pod["containers"][0]["env"]
+                if e["name"] == "RAY_SERVE_THROUGHPUT_OPTIMIZED"}, len(pods)
 
-
-def test_ray_workers_run_at_normal_priority_on_every_ray_container():
-    """Ray starts its workers at nice 15 unless RAY_worker_niceness says otherwise: every Ray container gets the
-    chart's value (0 by default)."""
-    name = "RAY_worker_niceness"
-    assert ray_container_env(rendered_objects(render_chart()), name) == ({"0"}, 2)
-    assert ray_container_env(rendered_objects(render_chart({"rayWorkerNiceness": 10})), name) == ({"10"}, 2)
+    assert modes(rendered_objects(render_chart())) == ({"0"}, 2)
+    assert modes(rendered_objects(render_chart({"rayServeThroughputOptimized": True}))) == ({"1"}, 2)
 
 
 def test_monitoring_objects(chart_renders):

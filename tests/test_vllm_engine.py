@@ -211,17 +211,6 @@ def test_engine_core_gets_the_configured_torch_threads(vllm_url, vllm_settings):
     assert {psutil.Process(pid).environ().get("OMP_NUM_THREADS") for pid in pids} == {"2"}
 
 
-def test_engine_processes_run_at_normal_priority(vllm_url):
-    """Ray starts its workers at nice 15 and the EngineCore inherits it from its replica; the process that feeds
-    the accelerator must not yield to everything else on the node (service/serve/local.py)."""
-    import psutil
-
-    pids = wait_for(lambda: (found := engine_core_pids()) and found, 30, what="the EngineCore process")
-    cores = [psutil.Process(pid) for pid in pids]
-    assert {core.nice() for core in cores} == {0}
-    assert {core.parent().nice() for core in cores} == {0}  # the engine replica that started it
-
-
 def test_dead_engine_replica_is_replaced(vllm_url):
     """Kill the EngineCore process (what an OOM or a CUDA fault does): check_health raises EngineDeadError, Serve
     replaces the replica, and requests after that succeed."""

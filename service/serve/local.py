@@ -23,16 +23,9 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 # whole suite passes under it (three tests did not on 2026-11-30); docs/BENCHMARKS.md, "Serve mode", has its gain.
 
 
-# Ray starts every worker process at nice 15 (its `worker_niceness`) so that its own daemons keep the CPU, and the
-# vLLM EngineCore an engine replica starts inherits that: the process that feeds the GPU then yields its core to
-# any other process on the node, the load generator included (docs/BENCHMARKS.md, seventh session). Our replicas
-# are this node's work: 0, the priority `vllm serve` runs at. Read by Ray when it starts; an operator's value wins.
-WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
-
-
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None) -> None:
-    for key, value in {**LOOPBACK_ENV, **WORKER_PRIORITY_ENV}.items():
+    for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
     import ray
 

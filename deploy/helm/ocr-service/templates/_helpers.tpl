@@ -131,8 +131,6 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   value: "0"
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
   value: {{ ternary "1" "0" .Values.rayServeThroughputOptimized | quote }}
-- name: RAY_worker_niceness
-  value: {{ .Values.rayWorkerNiceness | quote }}
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: TRANSFORMERS_OFFLINE
