@@ -5,8 +5,10 @@ has 1 worker by default) and pins the PIL backend, so its cost per image caps a 
 here is the most any engine replica can serve with that configuration.
 
 Input forms: `png` = the replica decodes a PNG file into a numpy array; `pixels` = it wraps the RGB pixels the ingress
-sent (settings.engine_image_transport; service.engine.vllm_engine.engine_image); `pil` = the decoded PNG as a PIL
-image, which is what raw vLLM hands the processor (and our engine did before 2026-11-30).
+sent (settings.engine_image_transport; service.engine.vllm_engine.engine_image); `presized` = pixels the ingress
+already resized to the processor's size with the backend's own kernel (settings.engine_image_presize), so the
+processor skips its resize; `pil` = the decoded PNG as a PIL image, which is what raw vLLM hands the processor (and
+our engine did before 2026-11-30). The ingress's side of `presized` (the resize it takes over) is timed too.
 
     python -m loadtest bench preprocess --out results/preprocess            # needs transformers (no vLLM, no GPU)
 
@@ -35,27 +37,55 @@ def _processor(kit: Path, backend: str):
     return AutoImageProcessor.from_pretrained(kit, backend=backend)
 
 
-def _page_request(png: bytes, transport: str):
-    """The EngineRequest the ingress sends for this page (pixels decoded there, outside the timed work)."""
+def _processor_info(kit: Path, backend: str):
+    from service.engine.vllm_engine import image_processor_info
+
+    return image_processor_info(kit, backend)
+
+
+def _page_request(png: bytes, transport: str, presize_for=None):
+    """The EngineRequest the ingress sends for this page (pixels decoded, and presized for `presize_for`, there,
+    outside the timed work)."""
     import io
 
     from PIL import Image
 
+    from service.admission.presize import presize
     from service.engine.protocol import EngineRequest
 
     image = Image.open(io.BytesIO(png)).convert("RGB")
-    page = {"image_rgb": image.tobytes()} if transport == "pixels" else {"image_png": png}  # pil: decoded PNG
+    if transport == "presized":
+        image = presize(image, presize_for)
+    page = {"image_rgb": image.tobytes()} if transport in ("pixels", "presized") else {"image_png": png}  # pil: PNG
     return EngineRequest(request_id="bench", task="text", width=image.width, height=image.height, **page)
 
 
-def _decode(png: bytes, transport: str = "png"):
+def _decode(png: bytes, transport: str = "png", presize_for=None):
     """The page as the engine replica hands it to vLLM's processor (what runs before the processor there);
     `pil` = the decoded PIL image, as raw vLLM and our engine before 2026-11-30 handed it on."""
     from service.engine.vllm_engine import engine_image
 
     if transport == "pil":
         return _page_request(png, "png").pil_image()
-    return engine_image(_page_request(png, transport))
+    return engine_image(_page_request(png, transport, presize_for))
+
+
+def presize_ms(kit: Path, backend: str, pngs: list[bytes], rounds: int = 5) -> float:
+    """The ingress's side of `presized`: ms per page of the resize it takes over from the replica (one thread)."""
+    import io
+
+    from PIL import Image
+
+    from service.admission.presize import presize
+
+    info = _processor_info(kit, backend)
+    images = [Image.open(io.BytesIO(png)).convert("RGB") for png in pngs]
+    presize(images[0], info)  # warm (torch's first call)
+    started = time.perf_counter()
+    for _ in range(rounds):
+        for image in images:
+            presize(image, info)
+    return round((time.perf_counter() - started) * 1000 / (rounds * len(images)), 2)
 
 
 def packing_check(kit: Path, png: bytes) -> dict[str, Any]:
@@ -71,9 +101,9 @@ def packing_check(kit: Path, png: bytes) -> dict[str, Any]:
     from_pil = {"pil": pil(images=[image], return_tensors="pt")["pixel_values"].float(),
                 "torchvision": tv(images=[image], return_tensors="pt")["pixel_values"].float()}
     engine_diff: dict[str, float] = {}
-    for transport in ("png", "pixels"):
-        array = _decode(png, transport)
+    for transport in ("png", "pixels", "presized"):
         for name, proc in (("pil", pil), ("torchvision", tv)):
+            array = _decode(png, transport, _processor_info(kit, name))
             values = proc(images=[array], return_tensors="pt")["pixel_values"].float()
             engine_diff[f"{transport}/{name}"] = float((values - from_pil[name]).abs().max())
     return {"shape": list(a.shape), "exact_size_max_abs_diff": float((a - b).abs().max()),
@@ -87,7 +117,7 @@ def throughput(kit: Path, backend: str, pngs: list[bytes], threads: int, seconds
     from service.engine.vllm_engine import engine_image
 
     processor = _processor(kit, backend)
-    requests = [_page_request(png, transport) for png in pngs]
+    requests = [_page_request(png, transport, _processor_info(kit, backend)) for png in pngs]
 
     def one(request) -> None:
         image = request.pil_image() if transport == "pil" else engine_image(request)
@@ -112,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2,4,8", help="thread counts to try (comma-separated)")
     p.add_argument("--backends", default="pil,torchvision")
     p.add_argument("--kinds", default="a4,id_card")
-    p.add_argument("--inputs", default="pil,png,pixels", help="page forms the processor gets (pil, png, pixels)")
+    p.add_argument("--inputs", default="pil,png,pixels,presized",
+                   help="page forms the processor gets (pil, png, pixels, presized)")
     p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
     args = p.parse_args(argv)
 
@@ -132,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         for png in pngs:
             _decode(png)
         entry: dict[str, Any] = {"png_decode_ms": round((time.perf_counter() - decode_started) * 1000 / len(pngs), 1),
-                                 "packing": packing_check(kit, pngs[0]), "runs": []}
+                                 "packing": packing_check(kit, pngs[0]), "runs": [],
+                                 "ingress_presize_ms": {b: presize_ms(kit, b, pngs) for b in args.backends.split(",")}}
         for backend in args.backends.split(","):
             for threads in (int(t) for t in args.threads.split(",")):
                 for transport in args.inputs.split(","):  # side by side: the machine's load changes
@@ -141,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{kind:8s} {backend:12s} {transport:6s} threads {threads:2d}: "
                           f"{run['images_per_s']:7.1f} images/s", flush=True)
         result["kinds"][kind] = entry
-        print(kind, "packing", entry["packing"], "png decode ms", entry["png_decode_ms"], flush=True)
+        print(kind, "packing", entry["packing"], "png decode ms", entry["png_decode_ms"], "ingress presize ms",
+              entry["ingress_presize_ms"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "preprocess.json").write_text(json.dumps(result, indent=2))
     return 0
