@@ -1,8 +1,8 @@
 """The engine's image-processor resize, done in the ingress (settings.engine_image_presize).
 
 HunyuanOCR's HF image processor resizes every page to sides in multiples of 32 (`smart_resize`) before it
-normalises and patchifies it. In vLLM that runs in the engine replica's frontend process, which at 128 clients is
-the replica's bottleneck (the resize alone was 10-16 % of its py-spy samples on the H200, docs/BENCHMARKS.md).
+normalises and patchifies it. In vLLM that runs in the engine replica's frontend process, one per GPU, next to
+everything else the replica does (the resize alone was 10-16 % of its py-spy samples at 128 clients on the H200).
 Both processor backends skip the resize when the page already has that size, so the ingress, which scales out,
 can do it instead: with the same kernel (torchvision's antialiased bicubic on uint8, or PIL's bicubic) on the
 same uint8 pixels the processor would get, the model sees exactly the same values
