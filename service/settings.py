@@ -147,9 +147,12 @@ class Settings(BaseSettings):
         False, description="Benchmarks only: every request generates exactly its max_tokens output tokens "
         "(ignore_eos + min_tokens), so runs compare like for like (docs/BENCHMARKS.md). Never in production."
     )
-    min_image_pixels: int = Field(512 * 512, ge=1024, description="Processor min_pixels (images are upscaled to it).")
+    min_image_pixels: int = Field(
+        512 * 512, ge=1024, description="Processor min_pixels (images are upscaled to it), for the image-token "
+        "budget of an engine that does not report its processor's (vLLM reads its model's preprocessor_config).")
     max_engine_image_pixels: int = Field(
-        2048 * 2048, ge=1024, description="Processor max_pixels (larger images are downscaled to it)."
+        2048 * 2048, ge=1024, description="Processor max_pixels (larger images are downscaled to it), for the "
+        "image-token budget of an engine that does not report its processor's; also the cap PDF pages render to."
     )
     enable_lora: bool = Field(False, description="Enable LoRA adapter slots in vLLM.")
     max_loras: int = Field(4, ge=1, description="LoRA slots on the GPU (adapters active in one batch).")

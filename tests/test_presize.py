@@ -166,3 +166,16 @@ async def test_an_ingress_without_torchvision_leaves_the_resize_to_the_engine(mo
     monkeypatch.undo()
     _, sent = await post(ProcessorEngine(processor_info("pil")), upload, engine_image_presize=True)
     assert (sent.width, sent.height) == (992, 640)
+
+
+async def test_the_budget_uses_the_engine_processor_limits():
+    """The image-token budget counts what the engine's processor will make of the page, not the settings' guess:
+    a processor capped at 1024² pixels turns a 2000×2000 page into ≈ 1k tokens, which fits a 4k context as it is;
+    with the settings' 2048² cap the same page would cost ≈ 4k tokens and be downscaled first."""
+    page = png_bytes(document_page((2000, 2000)))
+    capped = ImageProcessorInfo(backend="torchvision", factor=32, min_pixels=512 * 512, max_pixels=1024 * 1024)
+    settings = {"max_model_len": 4096, "engine_image_transport": "pixels"}
+    _, sent = await post(ProcessorEngine(capped), page, **settings)
+    assert (sent.width, sent.height) == (2000, 2000)
+    _, guessed = await post(MockEngine(), page, **settings)  # no processor reported: the settings' limits
+    assert guessed.width < 2000 and guessed.height < 2000

@@ -208,8 +208,11 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
     if engine_name == "embedded":
         plan = plan_for_embedded(decoded.width, decoded.height, max_side=EMBEDDED_MAX_SIDE)
     else:
+        # the engine's own processor limits where it reports them (a real 1.5 checkout allows 4096² pixels)
+        processor = engine.image_processor
         plan = plan_for_vlm(decoded.width, decoded.height, max_model_len=s.max_model_len, max_tokens=max_tokens,
-                            min_pixels=s.min_image_pixels, max_pixels=s.max_engine_image_pixels)
+                            min_pixels=processor.min_pixels if processor else s.min_image_pixels,
+                            max_pixels=processor.max_pixels if processor else s.max_engine_image_pixels)
     image = resize_to(decoded.image, plan.width, plan.height)
     if s.engine_image_presize and engine.image_processor is not None:
         # the engine's processor would resize to multiples of 32 in its busy replica; same kernel here, same pixels
