@@ -52,13 +52,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from loadtest import run
-from loadtest.common import (environment_facts, service_prompt, start_service, start_vllm_server)
+from loadtest.common import (environment_facts, service_prompt, start_direct, start_service, start_vllm_server)
 from loadtest.resources import (GpuUtilisation, busiest_pids, cpu_percent, cpu_snapshot, record_stacks,
                                 summarise_stacks)
 from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
 
 SERVED_NAME = "hunyuan-ocr"
-SERVER_PARTS = ("raw", "raw_stock", "raw_cached", "service")  # each starts a server (or several) and sweeps it
+SERVER_PARTS = ("raw", "raw_stock", "raw_cached", "direct", "service")  # each starts a server (or several), sweeps it
 ALL_PARTS = ("matmul", *SERVER_PARTS, "hf")
 # the model kit is local: no Hugging Face Hub lookups (the GPU machine has no network; a lookup only waits)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -623,7 +623,7 @@ class Bench:
         if split_label(name)[1]:
             return []
         sweeps = []
-        if base_part(name) == "service":
+        if base_part(name) in ("service", "direct"):
             if self.args.no_confidence:
                 sweeps.append(("noconf", "confidence: false (no token logprobs)", {"confidence": False}))
             return sweeps
@@ -667,6 +667,10 @@ class Bench:
         return settings
 
     def part_service(self, name: str, parts: list[str]) -> None:
+        """`service` (and its variants): our service as users run it. `direct`: the same API and engine in one
+        process without Ray (loadtest/direct_server.py), its process environment the raw server's (torch threads),
+        so direct − raw is what our code costs and service − direct what Ray and the Serve hop cost."""
+        direct = base_part(name) == "direct"
         settings = self.service_variant_settings(name)
         self.results["parts"].setdefault(name, {})
         if settings != self.settings:
@@ -674,9 +678,10 @@ class Bench:
         started = time.monotonic()
         if self.label_env(name):
             self.results["parts"][name]["env"] = self.label_env(name)
-        proc, url = start_service(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
-                                  ready_timeout_s=max(60.0, self.left()),
-                                  extra_env={**OFFLINE_ENV, **self.label_env(name)})
+        start = start_direct if direct else start_service
+        env = {**OFFLINE_ENV, **(self.raw_torch_env() if direct else {}), **self.label_env(name)}
+        proc, url = start(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
+                          ready_timeout_s=max(60.0, self.left()), extra_env=env)
         try:
             self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
             self.log(f"{name} ready in {time.monotonic() - started:.0f}s at {url}")
@@ -813,6 +818,16 @@ class Bench:
                 for name in servers if split_label(name)[1]
                 for plain in [best_by_level(parts, [split_label(name)[0]], w.name)]
                 for level, (_, s) in sorted(best_by_level(parts, [name], w.name).items()) if level in plain]
+            # the layers apart: our API and engine without Ray (direct) against raw, each service against direct
+            raw_plain = best_by_level(parts, [n for n in servers if base_part(n) == "raw" and not split_label(n)[1]],
+                                      w.name)
+            direct_plain = best_by_level(parts, ["direct"], w.name)
+            entry["layers"] = [
+                {"level": level, "part": name, "against": against[level][0], **step_ratio(s, against[level][1])}
+                for name in servers if split_label(name)[1] not in CLIENT_LABELS
+                for against in [raw_plain if name == "direct" else direct_plain if base_part(name) == "service"
+                                else {}]
+                for level, (_, s) in sorted(best_by_level(parts, [name], w.name).items()) if level in against]
             for kind in ("raw", "service"):
                 # a second sweep with other requests (no logprobs) is not the same work: never the best server
                 kind_peaks = {n: pk for n, pk in peaks.items()
@@ -902,6 +917,11 @@ class Bench:
                 lines += ["", "Engine variants against the same server without them: " + "; ".join(
                     f"{name} at {c['level']:g}: {c['part']}/{c['plain']} {c['throughput_ratio_little'] or c['throughput_ratio']}×"
                     f" (p50 {c['p50_delta_ms']:+} ms)" for name, c in labelled if c["p50_delta_ms"] is not None)]
+            layers = [(name, c) for name, a in analysis.items() for c in a.get("layers", [])]
+            if layers:
+                lines += ["", "Layers apart (direct: our API and engine in one process, no Ray): " + "; ".join(
+                    f"{name} at {c['level']:g}: {c['part']}/{c['against']} {c['throughput_ratio_little'] or c['throughput_ratio']}×"
+                    f" (p50 {c['p50_delta_ms']:+} ms)" for name, c in layers if c["p50_delta_ms"] is not None)]
         if r.get("vllm_plugin"):
             lines += ["", "Our vLLM plugin's patches per server log: " + "; ".join(
                 f"{name}: {', '.join(patches) or 'none'}" for name, patches in r["vllm_plugin"].items())]
@@ -1026,7 +1046,8 @@ def preflight(parts: list[str]) -> dict[str, str]:
     """Parts whose Python dependencies are missing (name → reason); the run skips them and says so."""
     server = ["vllm", "aiohttp"]
     needs = {"matmul": ["torch"], "raw": server, "raw_stock": server, "raw_cached": server,
-             "service": [*server, "ray", "fastapi", "pydantic_settings"], "hf": ["torch", "transformers"]}
+             "service": [*server, "ray", "fastapi", "pydantic_settings"],
+             "direct": [*server, "fastapi", "uvicorn", "pydantic_settings"], "hf": ["torch", "transformers"]}
     missing = {}
     for part in parts:
         lacking = [m for m in needs[base_part(part)] if importlib.util.find_spec(m) is None]
@@ -1200,7 +1221,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench.part_matmul()
             elif base_part(part) in ("raw", "raw_stock", "raw_cached"):
                 bench.part_raw(part, parts)
-            elif base_part(part) == "service":
+            elif base_part(part) in ("service", "direct"):
                 bench.part_service(part, parts)
             elif part == "hf":
                 bench.part_hf()

@@ -198,8 +198,17 @@ def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | No
         lambda p: _start_service(settings, log_path, p, ready_timeout_s, extra_env), port)
 
 
+def start_direct(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
+                 ready_timeout_s: float = 900.0, extra_env: Mapping[str, str] | None = None,
+                 ) -> tuple[ManagedProcess, str]:
+    """Start `python -m loadtest.direct_server`: our API and engine in one process, no Ray (a benchmark's view of
+    what our code costs without the Serve hop; see that module). Same settings and waiting as `start_service`."""
+    return _start_with_port_retries(
+        lambda p: _start_service(settings, log_path, p, ready_timeout_s, extra_env, direct=True), port)
+
+
 def _start_service(settings: Mapping[str, Any], log_path: Path, port: int, ready_timeout_s: float,
-                   extra_env: Mapping[str, str] | None) -> tuple[ManagedProcess, str]:
+                   extra_env: Mapping[str, str] | None, direct: bool = False) -> tuple[ManagedProcess, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
     env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
@@ -207,7 +216,9 @@ def _start_service(settings: Mapping[str, Any], log_path: Path, port: int, ready
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     from service.cli import READY_MARKER
 
-    proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)
+    cmd = ([sys.executable, "-m", "loadtest.direct_server", "--port", str(port)] if direct
+           else [sys.executable, "-m", "service.cli", "serve"])
+    proc = ManagedProcess("direct" if direct else "ocr-serve", cmd, log_path=log_path, env=env)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     _wait_or_port_taken(proc, url + "/readyz", ready_timeout_s)

@@ -373,3 +373,61 @@ def test_a_step_gives_way_to_later_parts_only_when_that_saves_them(tmp_path):
     for left, fits in ((295, True), (370, False), (400, True), (40, False)):
         bench.deadline = time.monotonic() + left
         assert bench.step_fits(45, 350) is fits, left
+
+
+def test_layers_compare_direct_with_raw_and_each_service_with_direct(tmp_path):
+    """`direct` (our API and engine in one process, no Ray) against raw, and every service (labelled ones too, not
+    second sweeps of other requests) against direct: what our code costs, and what Ray adds on top."""
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
+    bench.prepare()
+
+    def steps(*rows):
+        return {"id_card": {"steps": [{"level": lvl, "docs_per_s": dps, "latency_ms_p50": p50, "latency_ms_p95": p50,
+                                       "docs_per_s_little": round(lvl / p50 * 1000, 3), "label": "x"}
+                                      for lvl, dps, p50 in rows]}}
+
+    bench.results["parts"] = {
+        "raw": steps((1, 5.0, 200.0), (128, 70.0, 1800.0)),
+        "direct": steps((1, 4.8, 210.0), (128, 68.0, 1850.0)),
+        "service": steps((1, 3.6, 280.0), (128, 56.0, 2300.0)),
+        "service@n0": steps((1, 4.0, 250.0)),
+        "service@noconf": steps((1, 9.0, 100.0)),  # other requests: compared with nothing here
+    }
+    bench.analyse()
+    layers = bench.results["analysis"]["id_card"]["layers"]
+    assert [(c["level"], c["part"], c["against"], c["p50_delta_ms"]) for c in layers] == [
+        (1, "direct", "raw", 10.0), (128, "direct", "raw", 50.0), (1, "service", "direct", 70.0),
+        (128, "service", "direct", 450.0), (1, "service@n0", "direct", 40.0)]
+    assert layers[0]["throughput_ratio"] == 0.96
+    assert "id_card at 1: service/direct 0.75× (p50 +70.0 ms)" in bench.report()
+    # the service comparison with raw stays as it was: direct is not a service
+    assert [(c["level"], c["service"], c["raw"]) for c in bench.results["analysis"]["id_card"]["service_vs_raw"]] \
+        == [(1, "service", "raw"), (128, "service", "raw")]
+
+
+def test_direct_server_runs_our_api_around_a_real_engine_in_one_process_without_ray(tmp_path):
+    """What the `direct` part starts: the real embedded engine behind our FastAPI app, one process, no Ray; the
+    CLI's ready line, real OCR, SIGTERM stops it and everything it started."""
+    import httpx
+
+    from loadtest.common import _session_members, start_direct
+    from loadtest.resources import process_kind
+    from service.cli import READY_MARKER
+    from tests.fixtures.documents import normalise_text, render_document
+
+    doc = render_document()
+    proc, url = start_direct({"engine": "embedded", "log_level": "WARNING"}, log_path=tmp_path / "direct.log",
+                             ready_timeout_s=180)
+    try:
+        assert READY_MARKER in proc.tail()
+        resp = httpx.post(url + "/v1/ocr", json={"image": doc.b64(), "task": "text"}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert normalise_text(resp.json()["text"]) == normalise_text("".join(line.text for line in doc.lines))
+        bad = httpx.post(url + "/v1/ocr", json={"image": "not base64!", "task": "text"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_base64"
+        kinds = [process_kind(pid) for pid in [proc.pid, *_session_members(proc.pid)]]
+        assert not [k for k in kinds if "ray" in k.lower() or "gcs_server" in k], kinds
+        assert process_kind(proc.pid).endswith("loadtest.direct_server")
+    finally:
+        proc.stop(timeout_s=30)
+    assert not proc.alive() and not _session_members(proc.pid)
