@@ -431,3 +431,26 @@ def test_direct_server_runs_our_api_around_a_real_engine_in_one_process_without_
     finally:
         proc.stop(timeout_s=30)
     assert not proc.alive() and not _session_members(proc.pid)
+
+
+def test_a_run_over_its_budget_refuses_before_starting_anything(monkeypatch, tmp_path, capsys):
+    """Over budget, the planner would skip a middle server's steps whole to keep time for the last one (three device
+    calls lost a server each that way): the run stops first, exit 2, unless --allow-skips; --plan-only just says."""
+    started = []
+    monkeypatch.setattr(bench_gpu.Bench, "prepare", lambda self: started.append("prepare"))
+    monkeypatch.setattr(bench_gpu.Bench, "part_raw", lambda self, *a: started.append("raw"))
+    monkeypatch.setattr(bench_gpu.Bench, "part_service", lambda self, *a: started.append("service"))
+    monkeypatch.setattr(bench_gpu.Bench, "finish", lambda self: started.append("finish"))
+    monkeypatch.setattr(bench_gpu, "preflight", lambda parts: {})
+    three = ["--parts", "raw,direct,service", "--workloads", "id_card", "--id-levels", "1,128", "--step-s", "20",
+             "--max-step-s", "25", "--out", str(tmp_path)]
+    assert bench_gpu.main([*three, "--budget-s", "500"]) == 2
+    assert started == [] and "estimated 572s of a 500s budget: does not fit" in capsys.readouterr().out
+    assert bench_gpu.main([*three, "--budget-s", "600", "--plan-only"]) == 0
+    assert started == [] and "fits" in capsys.readouterr().out
+    assert bench_gpu.main([*three, "--budget-s", "500", "--plan-only"]) == 2
+    assert bench_gpu.main([*three, "--budget-s", "500", "--allow-skips"]) == 0
+    assert started == ["prepare", "raw", "service", "service", "finish"]  # direct runs as a service part
+    started.clear()
+    assert bench_gpu.main(three) == 0  # no budget: no limit
+    assert started[0] == "prepare"
