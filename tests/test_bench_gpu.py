@@ -183,6 +183,13 @@ def test_labelled_parts_are_the_same_server_with_the_labels_engine_arguments(tmp
             bench_gpu.main(bad)
 
 
+def _id_card_steps(*rows):
+    """A part's ID-card sweep from (clients, docs/s, p50 ms) rows; p95 = p50, Little's law from the p50."""
+    return {"id_card": {"steps": [{"level": lvl, "docs_per_s": dps, "latency_ms_p50": p50, "latency_ms_p95": p50,
+                                   "docs_per_s_little": round(lvl / p50 * 1000, 3), "label": "x"}
+                                  for lvl, dps, p50 in rows]}}
+
+
 def _bench(tmp_path, **overrides):
     import argparse
 
@@ -214,17 +221,12 @@ def test_service_is_compared_with_the_best_raw_server_at_each_concurrency(tmp_pa
     bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
     bench.prepare()  # the real model kit (config for the roofline) and one generated ID card
 
-    def steps(*rows):
-        return {"id_card": {"steps": [{"level": lvl, "docs_per_s": dps, "latency_ms_p50": p50, "latency_ms_p95": p50,
-                                       "docs_per_s_little": round(lvl / p50 * 1000, 3), "label": "x"}
-                                      for lvl, dps, p50 in rows]}}
-
     bench.results["parts"] = {
-        "raw": steps((1, 4.0, 250.0), (64, 50.0, 1300.0)),
-        "raw_api4": steps((1, 3.9, 255.0), (64, 80.0, 800.0)),
-        "raw_cached": steps((64, 120.0, 500.0)),  # a cache, not the baseline
-        "service": steps((1, 3.8, 260.0), (64, 49.0, 1310.0)),
-        "service_x2": steps((64, 76.0, 850.0), (128, 90.0, 1400.0)),
+        "raw": _id_card_steps((1, 4.0, 250.0), (64, 50.0, 1300.0)),
+        "raw_api4": _id_card_steps((1, 3.9, 255.0), (64, 80.0, 800.0)),
+        "raw_cached": _id_card_steps((64, 120.0, 500.0)),  # a cache, not the baseline
+        "service": _id_card_steps((1, 3.8, 260.0), (64, 49.0, 1310.0)),
+        "service_x2": _id_card_steps((64, 76.0, 850.0), (128, 90.0, 1400.0)),
     }
     bench.analyse()
     a = bench.results["analysis"]["id_card"]
@@ -244,16 +246,11 @@ def test_labelled_servers_are_compared_with_their_own_kind_and_with_themselves_u
     bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
     bench.prepare()
 
-    def steps(*rows):
-        return {"id_card": {"steps": [{"level": lvl, "docs_per_s": dps, "latency_ms_p50": p50, "latency_ms_p95": p50,
-                                       "docs_per_s_little": round(lvl / p50 * 1000, 3), "label": "x"}
-                                      for lvl, dps, p50 in rows]}}
-
     bench.results["parts"] = {
-        "raw": steps((64, 50.0, 1280.0)),
-        "raw@fp8": steps((64, 80.0, 800.0)),
-        "service": steps((64, 49.0, 1306.1)),
-        "service@fp8": steps((64, 72.0, 888.9)),
+        "raw": _id_card_steps((64, 50.0, 1280.0)),
+        "raw@fp8": _id_card_steps((64, 80.0, 800.0)),
+        "service": _id_card_steps((64, 49.0, 1306.1)),
+        "service@fp8": _id_card_steps((64, 72.0, 888.9)),
         "matmul": {"tflops": 800.0, "memory_gb_per_s": 4000.0, "dtype": "bfloat16", "n": 8192, "device": "cuda"},
     }
     bench.analyse()
@@ -381,17 +378,12 @@ def test_layers_compare_direct_with_raw_and_each_service_with_direct(tmp_path):
     bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
     bench.prepare()
 
-    def steps(*rows):
-        return {"id_card": {"steps": [{"level": lvl, "docs_per_s": dps, "latency_ms_p50": p50, "latency_ms_p95": p50,
-                                       "docs_per_s_little": round(lvl / p50 * 1000, 3), "label": "x"}
-                                      for lvl, dps, p50 in rows]}}
-
     bench.results["parts"] = {
-        "raw": steps((1, 5.0, 200.0), (128, 70.0, 1800.0)),
-        "direct": steps((1, 4.8, 210.0), (128, 68.0, 1850.0)),
-        "service": steps((1, 3.6, 280.0), (128, 56.0, 2300.0)),
-        "service@n0": steps((1, 4.0, 250.0)),
-        "service@noconf": steps((1, 9.0, 100.0)),  # other requests: compared with nothing here
+        "raw": _id_card_steps((1, 5.0, 200.0), (128, 70.0, 1800.0)),
+        "direct": _id_card_steps((1, 4.8, 210.0), (128, 68.0, 1850.0)),
+        "service": _id_card_steps((1, 3.6, 280.0), (128, 56.0, 2300.0)),
+        "service@n0": _id_card_steps((1, 4.0, 250.0)),
+        "service@noconf": _id_card_steps((1, 9.0, 100.0)),  # other requests: compared with nothing here
     }
     bench.analyse()
     layers = bench.results["analysis"]["id_card"]["layers"]

@@ -269,11 +269,15 @@ def test_serve_throughput_mode_is_set_on_every_ray_container():
         cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
         pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
                                                                  for g in cluster["workerGroupSpecs"]]
-        return {e["value"] for pod in pods for e in pod["containers"][0]["env"]
-                if e["name"] == "RAY_SERVE_THROUGHPUT_OPTIMIZED"}, len(pods)
+        return [{e["name"]: e["value"] for e in pod["containers"][0]["env"] if e["name"] in SERVE_MODE_ENV}
+                for pod in pods]
 
-    assert modes(rendered_objects(render_chart())) == ({"0"}, 2)
-    assert modes(rendered_objects(render_chart({"rayServeThroughputOptimized": True}))) == ({"1"}, 2)
+    from service.serve.local import SERVE_MODE_ENV
+
+    # the default, as `ocr-serve serve` has it: the same variables, the same values, on the head and the workers
+    assert modes(rendered_objects(render_chart())) == [SERVE_MODE_ENV] * 2
+    assert modes(rendered_objects(render_chart({"rayServeThroughputOptimized": False}))) == [
+        {**SERVE_MODE_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}] * 2
 
 
 def test_monitoring_objects(chart_renders):

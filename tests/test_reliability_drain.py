@@ -25,8 +25,8 @@ IN_FLIGHT = 10
 MOCK_DELAY_S = 12.0  # long enough that the 10 are still running when SIGTERM arrives
 
 
-# Ray Serve's standard mode (our default) and its throughput-optimized mode (opt-in), where a handle's router runs
-# on the caller's event loop: the drain's handle calls and Serve's shutdown must work in both
+# Ray Serve's throughput-optimized mode (our default), where a handle's router runs on the caller's event loop, and
+# its standard mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=0): the drain's handle calls and Serve's shutdown must work in both
 @pytest.fixture(params=["0", "1"], ids=["standard", "throughput_optimized"])
 def serving_process(tmp_path, request):
     port = free_port()

@@ -17,16 +17,31 @@ APP_NAME = "ocr"
 
 # Read by Ray at import time: a single-node cluster then binds its node IP to 127.0.0.1 instead of the host's address.
 LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# Ray Serve's throughput-optimized mode (Ray >= 2.55: gRPC between deployments instead of the object store, user
-# code on the replica's own event loop) stays Ray's default, off; RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in the environment
-# before Ray starts turns it on (the Helm chart: values `rayServeThroughputOptimized`). Not our default until the
-# whole suite passes under it (three tests did not on 2026-11-30); docs/BENCHMARKS.md, "Serve mode", has its gain.
+# Ray Serve's throughput-optimized mode (Ray >= 2.55): gRPC between deployments instead of the object store, user
+# code on each replica's own event loop instead of a second thread, GC frozen after start-up. Our default (Ray's is
+# off): on the H200 the engine replica's image work at 128 ID cards in flight took a third of the time, and the
+# service served 1.14x as many (docs/BENCHMARKS.md, eighth session). Every Ray process reads it when it imports
+# Serve, so it is set before Ray starts; RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment keeps Ray's standard
+# mode (the Helm chart: values `rayServeThroughputOptimized`).
+# The mode also has each ingress replica serve HTTP on a port of its own ("direct ingress", for load balancers that
+# target replicas) and hold a stopping ingress replica open 30 s so such a balancer can deregister it. Our traffic
+# goes through the Serve proxy, and the CLI drains in-flight requests itself: the wait only made every stop 26 s
+# longer (6 -> 32 s with the mock engine), so it is 0 here as in the Helm chart.
+SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None) -> None:
-    for key, value in LOOPBACK_ENV.items():
+    for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV}.items():
         os.environ.setdefault(key, value)
+    import sys
+
+    serve_constants = sys.modules.get("ray.serve._private.constants")
+    if serve_constants is not None and serve_constants.RAY_SERVE_THROUGHPUT_OPTIMIZED != (
+            os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"):
+        # this process read the mode before it was set: its handles would not match the replicas' mode
+        log.warning("Ray Serve was imported before start_ray(): this process's Serve mode differs from the "
+                    "cluster's; set RAY_SERVE_THROUGHPUT_OPTIMIZED before importing ray.serve")
     import ray
 
     if ray.is_initialized():

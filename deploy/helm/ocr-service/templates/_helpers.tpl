@@ -131,6 +131,10 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   value: "0"
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
   value: {{ ternary "1" "0" .Values.rayServeThroughputOptimized | quote }}
+# traffic reaches ingress replicas through the Serve proxy, not their direct-ingress ports: no 30 s hold for a
+# balancer to deregister them on every scale-down and rollout (in-flight requests are still drained)
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+  value: "0"
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: TRANSFORMERS_OFFLINE

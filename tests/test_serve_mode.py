@@ -1,0 +1,62 @@
+"""`ocr-serve serve` runs Ray Serve in its throughput-optimized mode unless its environment says otherwise
+(service.serve.local.SERVE_MODE_ENV; docs/DEPLOY.md). The mode is seen from outside: in it, each ingress replica
+also listens for HTTP itself on a port of 30000-31000 (Serve's direct ingress) and answers the API there."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from loadtest.common import _session_members, start_service
+
+pytestmark = pytest.mark.ray
+
+DIRECT_INGRESS_PORTS = range(30000, 31001)
+
+
+def listening_ports(pids: list[int]) -> dict[int, str]:
+    """TCP ports in LISTEN state whose sockets these processes hold, with their bound address as /proc/net/tcp{,6}
+    writes it (0100007F: 127.0.0.1; 00000000: every interface)."""
+    import os
+
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:  # gone, or not ours to read
+            continue
+    ports = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                ports[int(port, 16)] = address
+    return ports
+
+
+@pytest.mark.parametrize("env, direct_ingress", [(None, True), ("0", False), ("1", True)],
+                         ids=["default", "standard", "throughput_optimized"])
+def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwise(env, direct_ingress, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)  # tests/conftest.py sets the default
+    proc, url = start_service({"engine": "mock", "ingress_replicas": 1, "graceful_shutdown_timeout_s": 2},
+                              log_path=tmp_path / "serve.log", ready_timeout_s=180,
+                              extra_env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": env} if env is not None else None)
+    try:
+        ports = listening_ports([proc.pid, *_session_members(proc.pid)])
+        direct = sorted(p for p in ports if p in DIRECT_INGRESS_PORTS)
+        assert bool(direct) == direct_ingress, (sorted(ports), proc.tail())
+        for port in direct:  # the ingress replica's own HTTP server serves the API, on loopback as the proxy does
+            assert ports[port] == "0100007F", (port, ports[port])
+            assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
+        assert httpx.get(url + "/readyz", timeout=10).status_code == 200  # and the proxy still does
+    finally:
+        proc.stop(timeout_s=60)
