@@ -60,3 +60,29 @@ def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwis
         assert httpx.get(url + "/readyz", timeout=10).status_code == 200  # and the proxy still does
     finally:
         proc.stop(timeout_s=60)
+
+
+def test_start_ray_warns_when_this_process_read_another_serve_mode(monkeypatch, caplog):
+    """A process that imported ray.serve before start_ray() set the mode keeps the mode it read: its handles would
+    not match the replicas'. start_ray() says so (and leaves an explicit choice in the environment alone)."""
+    import logging
+    import os
+    import sys
+    import types
+
+    import ray
+
+    from service.serve import local
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # no cluster: only the checks before it
+    monkeypatch.setitem(sys.modules, "ray.serve._private.constants",
+                        types.SimpleNamespace(RAY_SERVE_THROUGHPUT_OPTIMIZED=False))
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")
+    with caplog.at_level(logging.WARNING, logger="service.serve.local"):
+        local.start_ray()
+    assert not caplog.records  # standard mode read, standard mode asked for
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED")
+    with caplog.at_level(logging.WARNING, logger="service.serve.local"):
+        local.start_ray()
+    assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"  # the default, set before Ray starts
+    assert "Serve mode differs" in caplog.text
