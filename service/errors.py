@@ -16,6 +16,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_image": (400, "The bytes are not a decodable image of an allowed format, or the file is truncated."),
     "unsupported_media_type": (415, "The file's real type (sniffed from its bytes) is not accepted."),
     "image_too_large": (413, "The image has more pixels, a longer side or more frames than allowed."),
+    "unsupported_aspect_ratio": (400, "The image is longer than `max_image_aspect_ratio` times its width (or wider "
+                                 "than that times its height): no document is, and the model's processor refuses it."),
     "payload_too_large": (413, "The request body exceeds the size limit."),
     "unknown_task": (400, "The `task` is not one of the documented tasks."),
     "unsupported_task": (400, "The task is known but the current engine cannot perform it."),

@@ -39,6 +39,10 @@ class Settings(BaseSettings):
         description="Largest decoded image in pixels, checked from the header before decoding (decompression bombs).",
     )
     max_image_side: int = Field(20_000, ge=64, description="Largest accepted image width or height in pixels.")
+    max_image_aspect_ratio: float = Field(
+        200.0, ge=1.0, le=200.0, description="Longest side ÷ shortest side accepted (400 `unsupported_aspect_ratio` "
+        "above it). 200 is the HunyuanOCR image processor's own limit (its `smart_resize` raises above it); a 1×4000 "
+        "strip holds no document.")
     max_frames: int = Field(
         1, ge=1, description="Frames read from multi-frame GIF/TIFF; more frames than this are rejected."
     )
@@ -120,6 +124,15 @@ class Settings(BaseSettings):
         "`pixels`: the decoded 8-bit RGB rows, so the replica decodes nothing, but each page in flight is height × "
         "width × 3 bytes (an A4 page at 150 dpi 6.4 MB, against 0.17 MB of PNG) and crosses Ray as such; on CPU "
         "that cost more than the decode it saves (docs/BENCHMARKS.md). The embedded engine always gets PNG."
+    )
+    png_pixel_check: Literal["engine", "ingress"] = Field(
+        "engine", description="Where the pixels of an uploaded bare PNG (8-bit RGB, pixel chunks only) that goes to "
+        "the engine as it is get decoded. `engine`: the ingress checks its chunks, their CRCs and its header (type, "
+        "size limits) and decodes nothing; the engine replica decodes every PNG page anyway and answers "
+        "`invalid_image` (400) when the pixel stream is corrupt. One full decode less per page on the request path "
+        "(docs/BENCHMARKS.md, `bench cpu --parts png_check`). Streamed requests (`stream: true`) are decoded in "
+        "the ingress either way: their 200 goes out before the engine has the page. `ingress`: the ingress "
+        "decodes it too, so an engine replica only ever decodes pixel streams that decoded once already."
     )
     engine_image_presize: bool = Field(
         False, description="The ingress resizes each page to the size the engine's image processor would (sides in "

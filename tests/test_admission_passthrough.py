@@ -164,3 +164,108 @@ def test_an_engine_request_holds_exactly_one_whole_image():
     request = EngineRequest(**base, image_rgb=bytes(range(24)))
     assert request.rgb_array().shape == (2, 4, 3) and request.rgb_array().flags.writeable
     assert np.array_equal(np.asarray(request.pil_image()), request.rgb_array())
+
+
+# --- who decodes a bare PNG's pixels (settings.png_pixel_check) ---------------------------------------------------
+
+def bare_png(width: int, height: int, idat: bytes, *, colour: int = 2, bit_depth: int = 8, interlace: int = 0,
+             extra: bytes = b"") -> bytes:
+    from tests.fixtures.hostile import png_chunk
+
+    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([bit_depth, colour, 0, 0, interlace])
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + extra + png_chunk(b"IDAT", idat)
+            + png_chunk(b"IEND", b""))
+
+
+def test_only_a_bare_rgb8_png_with_right_crcs_may_skip_the_ingress_decode():
+    import zlib
+
+    from service.admission.images import bare_rgb_png_size
+    from tests.fixtures.hostile import png_chunk
+
+    rows = zlib.compress(b"".join(b"\x00" + bytes(30) for _ in range(5)))
+    good = bare_png(10, 5, rows)
+    assert bare_rgb_png_size(good) == (10, 5)
+    assert bare_rgb_png_size(png(page(size=(64, 32)))) == (64, 32)  # what Pillow writes by default
+    flipped_crc = bytearray(good)
+    flipped_crc[33 + 8 + len(rows)] ^= 1  # the IDAT chunk's CRC (after signature 8 + IHDR 25 + length/type 8)
+    refused = {
+        "RGBA": bare_png(10, 5, rows, colour=6), "grey": bare_png(10, 5, rows, colour=0),
+        "palette": bare_png(10, 5, rows, colour=3), "16-bit": bare_png(10, 5, rows, bit_depth=16),
+        "interlaced": bare_png(10, 5, rows, interlace=1),
+        "text chunk": bare_png(10, 5, rows, extra=png_chunk(b"tEXt", b"Comment\x00hi")),
+        "animation": bare_png(10, 5, rows, extra=png_chunk(b"acTL", bytes(8))),
+        "bad CRC": bytes(flipped_crc), "trailing bytes": good + b"PK", "no IEND": good[:-12],
+        "no IDAT": good[:33] + good[-12:], "truncated": good[:-20], "not a PNG": b"GIF89a" + good[6:],
+    }
+    for name, data in refused.items():
+        assert bare_rgb_png_size(data) is None, name
+
+
+class CountingEngine(MockEngine):
+    """The mock engine, counting the pages that reached it (whether its decode accepted them or not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pages = 0
+
+    async def stream(self, request):
+        self.pages += 1
+        async for delta in super().stream(request):
+            yield delta
+
+
+async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refuses_corrupt_pixels():
+    """png_pixel_check: engine (the default) — a bare PNG going on unchanged is not decoded in the ingress; a
+    resized one is. Corrupt pixels behind right CRCs reach the engine, whose decode answers `invalid_image`; with
+    `ingress` the ingress refuses them and the engine never sees them. Damage that breaks a CRC is refused by the
+    ingress either way."""
+    from service.admission.images import decode_image
+    from service.api import ocr
+    from service.api.context import AppContext
+    from service.api.protocol import OCRRequest
+    from service.engine.protocol import EngineInfo
+    from service.settings import Settings
+
+    s = Settings()
+    assert s.png_pixel_check == "engine"
+    vllm = EngineInfo(name="vllm", model="m", supported_tasks=["text"], image_transports=["pixels", "png"])
+    ctx = AppContext(settings=s, engine=MockEngine())
+    upload = png(page(size=(800, 608)))
+    limits = dict(allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels, max_side=s.max_image_side,
+                  max_frames=s.max_frames)
+    decoded = decode_image(upload, **limits, defer_pixels=True)
+    assert decoded.image is None and (decoded.width, decoded.height) == (800, 608)
+    prepared = ocr.prepare_decoded_page(ctx, OCRRequest(task="text"), decoded, vllm, "r")
+    assert prepared.engine_request.image_png is upload and decoded.image is None  # still not decoded
+    big = decode_image(png(page(size=(3000, 2000))), **limits, defer_pixels=True)
+    small_ctx = AppContext(settings=Settings(max_model_len=2048), engine=MockEngine())
+    prepared = ocr.prepare_decoded_page(small_ctx, OCRRequest(task="text"), big, vllm, "r")
+    assert big.image is not None and prepared.engine_request.width < 3000  # resized: decoded on the way
+    assert decode_image(upload, **limits).image is not None  # jobs and the rest decode up front, as always
+
+    width, height = 160, 60
+    corrupt = bare_png(width, height, bytes(range(7, 256)) * 4)  # right CRCs around no zlib stream at all
+    damaged = bytearray(png(page(size=(width, height))))
+    damaged[60] ^= 0xFF  # inside the first IDAT: its CRC no longer matches
+    for check, upload, engine_sees_it in (("engine", corrupt, True), ("ingress", corrupt, False),
+                                          ("engine", bytes(damaged), False), ("ingress", bytes(damaged), False)):
+        engine = CountingEngine()
+        async with make_client(engine, png_pixel_check=check) as client:
+            resp = await client.post("/v1/ocr", json={"image": base64.b64encode(upload).decode(), "task": "text"})
+            ok = await client.post("/v1/ocr", json={"image": base64.b64encode(png(page(size=(64, 32)))).decode(),
+                                                    "task": "text"})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_image", (check, resp.text)
+        assert engine.pages == (2 if engine_sees_it else 1), check  # and the engine still answers after it
+        assert ok.status_code == 200
+    # a streamed answer's 200 would go out before the engine decodes: the ingress decodes, and refuses, first
+    engine = CountingEngine()
+    async with make_client(engine) as client:
+        resp = await client.post("/v1/ocr", json={"image": base64.b64encode(corrupt).decode(), "task": "text",
+                                                  "stream": True})
+        chat = await client.post("/v1/chat/completions", json={"stream": True, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(corrupt).decode()}},
+            {"type": "text", "text": "Read it."}]}]})
+    for answer in (resp, chat):
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_image", answer.text
+    assert engine.pages == 0

@@ -18,7 +18,7 @@ import pytest
 
 from service.admission.budget import image_tokens_for
 from tests.fixtures.documents import render_document
-from tests.fixtures.reliability import wait_for
+from tests.fixtures.reliability import replica_processes, wait_for
 from tests.fixtures.vllm import write_lora_adapter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
@@ -188,17 +188,46 @@ def test_unknown_adapter_is_404(vllm_url):
 
 
 def engine_core_pids() -> list[int]:
-    """vLLM EngineCore processes started by this test session (descendants of this process only)."""
+    """vLLM EngineCore processes of the session's engine replicas: the replica workers' child processes (the
+    replicas' PIDs from Ray's actor table), less multiprocessing's resource tracker. By process title alone
+    (`VLLM::EngineCore`, among this process's descendants) CI once found none for 30 s while the engine answered."""
     import psutil
 
     found = []
-    for proc in psutil.Process(os.getpid()).children(recursive=True):
+    for replica_pid in replica_processes("OCREngine").values():
         try:
-            if "EngineCore" in " ".join(proc.cmdline()) or "EngineCore" in proc.name():
-                found.append(proc.pid)
+            children = psutil.Process(replica_pid).children()
         except psutil.Error:
             continue
+        for proc in children:
+            try:
+                if "resource_tracker" not in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc.pid)
+            except psutil.Error:
+                continue
     return found
+
+
+def wait_for_engine_core() -> list[int]:
+    try:
+        return wait_for(lambda: (found := engine_core_pids()) and found, 60, what="the EngineCore process")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; the engine replicas' processes:\n{engine_processes_report()}") from None
+
+
+def engine_processes_report() -> str:
+    """What the engine replicas' process trees hold (for a failure message)."""
+    import psutil
+
+    lines = []
+    for replica_pid in replica_processes("OCREngine").values():
+        try:
+            for proc in [psutil.Process(replica_pid), *psutil.Process(replica_pid).children(recursive=True)]:
+                lines.append(f"{proc.pid} ppid {proc.ppid()} {proc.status()} {proc.name()!r} "
+                             f"{' '.join(proc.cmdline())[:120]!r}")
+        except psutil.Error as exc:
+            lines.append(f"{replica_pid}: {exc!r}")
+    return "\n".join(lines) or "no OCREngine replica in the actor table"
 
 
 def test_engine_core_gets_the_configured_torch_threads(vllm_url, vllm_settings):
@@ -207,7 +236,7 @@ def test_engine_core_gets_the_configured_torch_threads(vllm_url, vllm_settings):
     import psutil
 
     assert vllm_settings["engine_torch_threads"] == 2
-    pids = wait_for(lambda: (found := engine_core_pids()) and found, 30, what="the EngineCore process")
+    pids = wait_for_engine_core()
     assert {psutil.Process(pid).environ().get("OMP_NUM_THREADS") for pid in pids} == {"2"}
 
 
@@ -217,7 +246,7 @@ def test_dead_engine_replica_is_replaced(vllm_url):
     doc = small_document()
     assert httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2},
                       timeout=300).status_code == 200
-    before = wait_for(lambda: (pids := engine_core_pids()) and pids, 30, what="the EngineCore process")
+    before = wait_for_engine_core()
     assert len(before) == 1, before
     os.kill(before[0], signal.SIGKILL)
 

@@ -5,7 +5,9 @@ each build their own (a tokenizer deep copy apiece: 67-81 s for a burst of 8 in 
 docs/BENCHMARKS.md). `VLLMEngine.start()` renders one page first, so a burst of real pages right after start must
 not build a processor at all. The processor is counted at its source (`ProcessorMixin.from_pretrained`), in this
 process, where vLLM's renderer runs. The same engine then checks that a page sent as pixels and as PNG gives the same
-tokens, that a page the ingress presized gives them too without a resize in the processor, and that its stream's per-delta token counts add up to what it generated.
+tokens, that a page the ingress presized gives them too without a resize in the processor, that its stream's
+per-delta token counts add up to what it generated, and that a PNG whose pixels do not decode is a 400
+`invalid_image` before vLLM sees it.
 
 Not marked `vllm`: it runs its own short-lived engine early, before the session's Serve deployment exists, so the two
 engines never hold memory at the same time."""
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import zlib
+
+import pytest
 
 from tests.fixtures.documents import render_document
 
@@ -107,6 +112,23 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
             request_id="counted", task="text", width=image.width, height=image.height, prompt="Read it.",
             max_tokens=6, logprobs=False, image_png=doc.png()))]
         assert sum(d.token_count for d in deltas) == deltas[-1].final.output_tokens > 0
+
+        # a bare PNG whose pixel stream does not decode (the ingress leaves such a file's pixels to the engine,
+        # png_pixel_check: engine) is the client's `invalid_image`, raised before vLLM sees anything; and a PNG of
+        # exactly the admitted rows still gives the same tokens afterwards
+        from service.errors import OCRError
+        from tests.fixtures.hostile import bare_png
+
+        for name, data in {"garbage": bare_png(480, 270, [bytes(range(256)) * 8]),
+                           "cut": bare_png(480, 270, [zlib.compress(image.tobytes())[:500]])}.items():
+            with pytest.raises(OCRError) as refused:
+                await engine.generate(EngineRequest(request_id=f"corrupt-{name}", task="text", width=480,
+                                                    height=270, prompt="Read it.", max_tokens=2, image_png=data))
+            assert refused.value.code == "invalid_image" and refused.value.status == 400, name
+        again = await engine.generate(EngineRequest(request_id="after-corrupt", task="text", width=image.width,
+                                                    height=image.height, prompt="Read it.", max_tokens=6,
+                                                    image_png=doc.png()))
+        assert [t.token for t in again.tokens] == [t.token for t in png_page.tokens]
     finally:
         await engine.shutdown()
 

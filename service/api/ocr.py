@@ -21,7 +21,7 @@ from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm
 from service.admission.images import (DecodedImage, decode_base64_image, decode_image, encode_png, resize_to,
                                      sniff_format)
 from service.admission.limits import check_request_limits
-from service.admission.presize import presize
+from service.admission.presize import presize, processor_size
 from service.admission.prompts import build_prompt, guided_json_for
 from service.api.context import AppContext
 from service.api.protocol import OCRRequest, OCRResponse
@@ -32,6 +32,7 @@ from service.parsing.extraction import check_schema, schema_for_fields
 from service.parsing.repetition import guard_result
 from service.parsing.result import PageGeometry, ParsedOutput, build_response, parse_engine_output
 from service.parsing.streaming import OutputStream
+from service.settings import Settings
 from service.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -191,8 +192,15 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineIn
         decoded = render_single_page(data, s)
     else:
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
-                               max_side=s.max_image_side, max_frames=s.max_frames)
+                               max_side=s.max_image_side, max_frames=s.max_frames,
+                               defer_pixels=defer_pixels(s, req.stream))
     return prepare_decoded_page(ctx, req, decoded, engine, request_id, started=started, source=source)
+
+
+def defer_pixels(settings: Settings, stream: bool) -> bool:
+    """Whether admission may leave a bare PNG's pixels to the engine's decode (settings.png_pixel_check). Not for a
+    streamed answer: its 200 goes out before the engine has the page, and a corrupt one must still be a 400."""
+    return settings.png_pixel_check == "engine" and not stream
 
 
 def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine: EngineInfo,
@@ -202,6 +210,9 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
     a bare PNG of the planned pixels goes on as it is."""
     s = ctx.settings
     started = time.perf_counter() if started is None else started
+    if max(decoded.width, decoded.height) > s.max_image_aspect_ratio * min(decoded.width, decoded.height):
+        raise OCRError("unsupported_aspect_ratio", f"the image is {decoded.width}x{decoded.height}; sides may differ "
+                       f"by at most {s.max_image_aspect_ratio:g}x")
     engine_name = engine.name
     task = TASKS[req.task]
     max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
@@ -213,18 +224,27 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
         plan = plan_for_vlm(decoded.width, decoded.height, max_model_len=s.max_model_len, max_tokens=max_tokens,
                             min_pixels=processor.min_pixels if processor else s.min_image_pixels,
                             max_pixels=processor.max_pixels if processor else s.max_engine_image_pixels)
-    image = resize_to(decoded.image, plan.width, plan.height)
-    if s.engine_image_presize and engine.image_processor is not None:
-        # the engine's processor would resize to multiples of 32 in its busy replica; same kernel here, same pixels
-        image = presize(image, engine.image_processor)
-    prompt = build_prompt(req, s) if engine_name != "embedded" else None
-    if s.engine_image_transport == "pixels" and "pixels" in engine.image_transports:
-        page_image = {"image_rgb": (image if image.mode == "RGB" else image.convert("RGB")).tobytes()}
+    presizing = s.engine_image_presize and engine.image_processor is not None
+    size = (plan.width, plan.height)
+    if presizing:
+        size = processor_size(*size, engine.image_processor)
+    pixels_transport = s.engine_image_transport == "pixels" and "pixels" in engine.image_transports
+    if decoded.png is not None and size == (decoded.width, decoded.height) and not pixels_transport:
+        # the upload is already the engine's PNG: send it on, decoded here only if admission did not defer that
+        page_image, width, height = {"image_png": decoded.png}, decoded.width, decoded.height
     else:
-        page_image = {"image_png": decoded.png if decoded.png is not None and image is decoded.image
-                      else encode_png(image)}
+        image = resize_to(decoded.pixels(), plan.width, plan.height)
+        if presizing:
+            # the engine's processor would resize to multiples of 32 in its busy replica; same kernel, same pixels
+            image = presize(image, engine.image_processor)
+        if pixels_transport:
+            page_image = {"image_rgb": (image if image.mode == "RGB" else image.convert("RGB")).tobytes()}
+        else:
+            page_image = {"image_png": encode_png(image)}
+        width, height = image.width, image.height
+    prompt = build_prompt(req, s) if engine_name != "embedded" else None
     engine_request = EngineRequest(
-        request_id=request_id, task=req.task, width=image.width, height=image.height, **page_image,
+        request_id=request_id, task=req.task, width=width, height=height, **page_image,
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
         repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s), logprobs=req.confidence,
     )

@@ -28,7 +28,7 @@ from service.admission.auth import Principal
 from service.admission.images import decode_base64_image, decode_image
 from service.admission.prompts import sanitize_user_text
 from service.api.context import AppContext
-from service.api.ocr import admit, prepare_decoded_page, rate_limit_cost
+from service.api.ocr import admit, defer_pixels, prepare_decoded_page, rate_limit_cost
 from service.api.protocol import OCRRequest
 from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
 from service.errors import OCRError, openapi_error_responses
@@ -158,7 +158,7 @@ async def resolve_adapter(ctx: AppContext, principal: Principal, model: str | No
 
 async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image: str, user_text: str,
                                  model: str | None, max_tokens: int | None, fields: _SamplingFields,
-                                 logprobs: bool, guided_json: dict | None
+                                 logprobs: bool, guided_json: dict | None, stream: bool = False
                                  ) -> tuple[EngineRequest, dict[str, str], str]:
     """Decode, budget and rate-limit one OpenAI-style request; returns (engine request, headers, model name)."""
     s = ctx.settings
@@ -171,7 +171,8 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
 
     def prepare():
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
-                               max_side=s.max_image_side, max_frames=s.max_frames)
+                               max_side=s.max_image_side, max_frames=s.max_frames,
+                               defer_pixels=defer_pixels(s, stream))
         return prepare_decoded_page(ctx, ocr_req, decoded, info, request_id)
 
     page = await asyncio.to_thread(prepare)
@@ -265,7 +266,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         engine_request, headers, model = await prepare_openai_request(
             ctx, principal, image=image, user_text=text, model=req.model,
             max_tokens=req.max_completion_tokens or req.max_tokens, fields=req, logprobs=req.logprobs,
-            guided_json=guided)
+            guided_json=guided, stream=req.stream)
         created = int(time.time())
         base = {"id": engine_request.request_id, "object": "chat.completion", "created": created, "model": model}
         if req.stream:
@@ -309,7 +310,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         want_logprobs = req.logprobs is not None
         engine_request, headers, model = await prepare_openai_request(
             ctx, principal, image=req.image, user_text=prompt, model=req.model, max_tokens=req.max_tokens,
-            fields=req, logprobs=want_logprobs, guided_json=None)
+            fields=req, logprobs=want_logprobs, guided_json=None, stream=req.stream)
         engine_request = engine_request.model_copy(update={"request_id": "cmpl-" + uuid.uuid4().hex[:24]})
         base = {"id": engine_request.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model}

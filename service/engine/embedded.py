@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -21,6 +22,21 @@ from service.errors import OCRError
 log = logging.getLogger(__name__)
 
 SUPPORTED_TASKS = ("spotting", "text")
+
+
+def pad_thin_page(image: np.ndarray, det_limit_side_len: int) -> np.ndarray:
+    """A page so thin that the detector's resize (longest side to `det_limit_side_len`, sides rounded to multiples of
+    32) would round its short side to 0 px, where rapidocr raises (a 16x3200 strip): white margin on the right or at
+    the bottom until the short side keeps 32 px. Lines keep their pixel coordinates (the margin comes after them)."""
+    height, width = image.shape[:2]
+    scale = det_limit_side_len / max(height, width)
+    if scale >= 1:
+        return image
+    needed = math.ceil(32 / scale)
+    if min(height, width) >= needed:
+        return image
+    pad = ((0, needed - height), (0, 0), (0, 0)) if height < width else ((0, 0), (0, needed - width), (0, 0))
+    return np.pad(image, pad, constant_values=255)
 
 
 class EmbeddedEngine:
@@ -59,7 +75,7 @@ class EmbeddedEngine:
     def _run(self, image: np.ndarray) -> tuple[list[EngineLine], float]:
         assert self._ocr is not None, "engine not started"
         started = time.perf_counter()
-        out = self._ocr(image)
+        out = self._ocr(pad_thin_page(image, self._det_limit_side_len))
         elapsed_ms = (time.perf_counter() - started) * 1000
         lines: list[EngineLine] = []
         if out.boxes is not None and out.txts is not None:

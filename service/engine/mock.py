@@ -1,7 +1,8 @@
 """Deterministic engine for tests of the layers above the seam (and autoscaling tests via `delay_s`).
 
-It behaves like a VLM engine: it answers every task with raw HunyuanOCR-style text and token logprobs, so the
-parsing layer sees the same shapes as with vLLM. A `responder` callable can script outputs per request.
+It behaves like a VLM engine: it decodes PNG pages as the real engines do (a corrupt one is `invalid_image`), and
+answers every task with raw HunyuanOCR-style text and token logprobs, so the parsing layer sees the same shapes as
+with vLLM. A `responder` callable can script outputs per request.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class MockEngine:
             raise OCRError("unsupported_task", f"task {request.task!r} is not supported by the mock engine")
         if request.adapter and request.adapter not in self.adapters:
             raise OCRError("unknown_adapter", f"adapter {request.adapter!r} does not exist")
+        if request.image_png is not None:
+            # as the real engines do (EngineRequest.pil_image): the ingress may leave a bare PNG's pixels to us
+            await asyncio.to_thread(request.pil_image)
         self.requests.append(request)
         if self.fail_next > 0:
             self.fail_next -= 1

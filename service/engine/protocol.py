@@ -15,8 +15,9 @@ ImageTransport = Literal["png", "pixels"]
 
 
 class EngineRequest(BaseModel):
-    """One page for one task, already admitted, decoded and resized to the engine's image budget: exactly one of
-    `image_png` and `image_rgb` holds it (`EngineInfo.image_transports` says which an engine takes)."""
+    """One page for one task, already admitted and resized to the engine's image budget: exactly one of
+    `image_png` and `image_rgb` holds it (`EngineInfo.image_transports` says which an engine takes). A PNG's pixels
+    may not have been decoded yet (an upload passed on as it is): engines decode it through `pil_image`."""
 
     request_id: str = Field(description="Opaque id for logs and aborts (no document content).")
     task: str = Field(description="Task name from service.tasks.")
@@ -53,16 +54,16 @@ class EngineRequest(BaseModel):
         return np.array(self.pil_image())  # one copy, writable
 
     def pil_image(self):
-        """The page as an RGB PIL image."""
-        import io
-
+        """The page as an RGB PIL image. A PNG whose pixel stream does not decode raises OCRError `invalid_image`:
+        the ingress checks a bare PNG's chunks and header but may leave its pixels to this decode
+        (service.admission.images), so every engine that takes PNG pages decodes them through here."""
         from PIL import Image
+
+        from service.admission.images import decode_png_pixels
 
         if self.image_rgb is not None:
             return Image.frombytes("RGB", (self.width, self.height), self.image_rgb)
-        image = Image.open(io.BytesIO(self.image_png))
-        image.load()
-        return image.convert("RGB") if image.mode != "RGB" else image
+        return decode_png_pixels(self.image_png, self.width, self.height)
 
 
 class EngineLine(BaseModel):
