@@ -130,9 +130,9 @@ class Settings(BaseSettings):
         "the engine as it is get decoded. `engine`: the ingress checks its chunks, their CRCs and its header (type, "
         "size limits) and decodes nothing; the engine replica decodes every PNG page anyway and answers "
         "`invalid_image` (400) when the pixel stream is corrupt. One full decode less per page on the request path "
-        "(docs/BENCHMARKS.md, `bench cpu --parts png_check`). Streamed requests (`stream: true`) are decoded in "
-        "the ingress either way: their 200 goes out before the engine has the page. `ingress`: the ingress "
-        "decodes it too, so an engine replica only ever decodes pixel streams that decoded once already."
+        "(docs/BENCHMARKS.md, `bench cpu --parts png_check`). Streams too: their 200 waits for the engine's first "
+        "output. `ingress`: the ingress decodes it too, so an engine replica only ever decodes pixel streams that "
+        "decoded once already."
     )
     engine_image_presize: bool = Field(
         False, description="The ingress resizes each page to the size the engine's image processor would (sides in "

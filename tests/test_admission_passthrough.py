@@ -258,7 +258,7 @@ async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refus
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_image", (check, resp.text)
         assert engine.pages == (2 if engine_sees_it else 1), check  # and the engine still answers after it
         assert ok.status_code == 200
-    # a streamed answer's 200 would go out before the engine decodes: the ingress decodes, and refuses, first
+    # streamed: the 200 waits for the engine's first output, so the engine's refusal is the answer's status
     engine = CountingEngine()
     async with make_client(engine) as client:
         resp = await client.post("/v1/ocr", json={"image": base64.b64encode(corrupt).decode(), "task": "text",
@@ -268,4 +268,4 @@ async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refus
             {"type": "text", "text": "Read it."}]}]})
     for answer in (resp, chat):
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_image", answer.text
-    assert engine.pages == 0
+    assert engine.pages == 2

@@ -32,7 +32,6 @@ from service.parsing.extraction import check_schema, schema_for_fields
 from service.parsing.repetition import guard_result
 from service.parsing.result import PageGeometry, ParsedOutput, build_response, parse_engine_output
 from service.parsing.streaming import OutputStream
-from service.settings import Settings
 from service.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -193,14 +192,8 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineIn
     else:
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                max_side=s.max_image_side, max_frames=s.max_frames,
-                               defer_pixels=defer_pixels(s, req.stream))
+                               defer_pixels=s.png_pixel_check == "engine")
     return prepare_decoded_page(ctx, req, decoded, engine, request_id, started=started, source=source)
-
-
-def defer_pixels(settings: Settings, stream: bool) -> bool:
-    """Whether admission may leave a bare PNG's pixels to the engine's decode (settings.png_pixel_check). Not for a
-    streamed answer: its 200 goes out before the engine has the page, and a corrupt one must still be a 400."""
-    return settings.png_pixel_check == "engine" and not stream
 
 
 def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine: EngineInfo,
@@ -321,8 +314,9 @@ def make_router(ctx: AppContext) -> APIRouter:
         req, page, headers = await run_ocr(ctx, request, principal)
         info = await ctx.get_engine_info()
         if req.stream:
-            return StreamingResponse(_stream_events(ctx, req, page, info.model, started), headers=headers,
-                                     media_type="text/event-stream")
+            events = await first_event_then_rest(_stream_events(ctx, req, page, info.model, started),
+                                                 ctx.settings.request_timeout_s)
+            return StreamingResponse(events, headers=headers, media_type="text/event-stream")
         engine_started = time.perf_counter()
         with ctx.metrics.waiting_for_engine():
             try:  # bounded latency: a request never waits on the engine longer than request_timeout_s
@@ -355,10 +349,36 @@ def make_router(ctx: AppContext) -> APIRouter:
     return router
 
 
+async def first_event_then_rest(events: AsyncIterator[str], timeout_s: float) -> AsyncIterator[str]:
+    """Waits for a stream's first event before its 200 goes out, so that a request refused or failed before any
+    output (a corrupt page, an unknown adapter, all replicas busy, no engine) gets its own 4xx/5xx, as without
+    `stream`, instead of a 200 whose only event is the error. The wait is bounded like a whole unstreamed request."""
+    try:
+        first = await asyncio.wait_for(anext(events), timeout_s)
+    except TimeoutError:
+        await events.aclose()
+        raise OCRError("timeout", f"no engine output within {timeout_s:g}s; retry later") from None
+    except BaseException:
+        await events.aclose()
+        raise
+
+    async def first_then_rest() -> AsyncIterator[str]:
+        try:
+            yield first
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # a client that went away: the engine stops generating for it
+
+    return first_then_rest()
+
+
 async def _stream_events(ctx: AppContext, req: OCRRequest, page: PreparedPage, model: str,
                          started: float) -> AsyncIterator[str]:
     """SSE (service.parsing.streaming): `delta` and `line` events while the model writes, then one `result` event
-    with the full response (or `error`). A looping output is cut by the repetition guard."""
+    with the full response (or `error`). A looping output is cut by the repetition guard. A failure before the first
+    event is raised, not sent (`first_event_then_rest` turns it into the response)."""
+    sent = False
     try:
         final = None
         info = await ctx.get_engine_info()
@@ -371,6 +391,7 @@ async def _stream_events(ctx: AppContext, req: OCRRequest, page: PreparedPage, m
                         final = delta.final
                         break
                     for event, data in output.feed(delta):
+                        sent = True
                         yield _sse(event, data)
                     if output.stop_reading:  # looping, and the engine did not cut it itself
                         final = output.cut_result()  # closing the stream aborts the generation
@@ -389,10 +410,15 @@ async def _stream_events(ctx: AppContext, req: OCRRequest, page: PreparedPage, m
                                   task=req.task, result=final, geom=page.geometry, parsed=parsed,
                                   timings_ms=timings, adapter=req.adapter, include_raw=req.include_raw)
         record_page(ctx, req, page, final, parsed.confidence, timings)
+        sent = True
         yield _sse("result", response.model_dump(mode="json"))
     except OCRError as exc:
+        if not sent:
+            raise
         yield _sse("error", exc.body())
     except Exception:
+        if not sent:
+            raise
         log.exception("stream failed")
         yield _sse("error", OCRError("internal_error", "the engine failed while streaming").body())
 

@@ -28,7 +28,7 @@ from service.admission.auth import Principal
 from service.admission.images import decode_base64_image, decode_image
 from service.admission.prompts import sanitize_user_text
 from service.api.context import AppContext
-from service.api.ocr import admit, defer_pixels, prepare_decoded_page, rate_limit_cost
+from service.api.ocr import admit, first_event_then_rest, prepare_decoded_page, rate_limit_cost
 from service.api.protocol import OCRRequest
 from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
 from service.errors import OCRError, openapi_error_responses
@@ -158,7 +158,7 @@ async def resolve_adapter(ctx: AppContext, principal: Principal, model: str | No
 
 async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image: str, user_text: str,
                                  model: str | None, max_tokens: int | None, fields: _SamplingFields,
-                                 logprobs: bool, guided_json: dict | None, stream: bool = False
+                                 logprobs: bool, guided_json: dict | None
                                  ) -> tuple[EngineRequest, dict[str, str], str]:
     """Decode, budget and rate-limit one OpenAI-style request; returns (engine request, headers, model name)."""
     s = ctx.settings
@@ -172,7 +172,7 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
     def prepare():
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                max_side=s.max_image_side, max_frames=s.max_frames,
-                               defer_pixels=defer_pixels(s, stream))
+                               defer_pixels=s.png_pixel_check == "engine")
         return prepare_decoded_page(ctx, ocr_req, decoded, info, request_id)
 
     page = await asyncio.to_thread(prepare)
@@ -224,22 +224,30 @@ def _sse(payload: Any) -> str:
 
 async def _stream(ctx: AppContext, engine_request: EngineRequest, frame, final_frame,
                   include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI SSE: one chunk per engine delta, a last chunk with finish_reason, optional usage, `[DONE]`."""
+    """OpenAI SSE: one chunk per engine delta, a last chunk with finish_reason, optional usage, `[DONE]`. A failure
+    before the first chunk is raised, not sent (`first_event_then_rest` turns it into the response)."""
+    sent = False
     try:
         final = None
         async for delta in ctx.engine.stream(engine_request):
             if delta.final is not None:
                 final = delta.final
             elif delta.text or delta.tokens:
+                sent = True
                 yield _sse(frame(delta.text, delta.tokens))
         if final is None:
             raise RuntimeError("engine stream ended without a final result")
+        sent = True
         yield _sse(final_frame(final))
         if include_usage:
             yield _sse({**final_frame(final), "choices": [], "usage": usage(final)})
     except OCRError as exc:
+        if not sent:
+            raise
         yield _sse(exc.body())
     except Exception as exc:
+        if not sent:
+            raise
         log.error("openai stream failed: %s", type(exc).__name__)
         yield _sse(OCRError("internal_error", "the engine failed while streaming").body())
     yield "data: [DONE]\n\n"
@@ -266,7 +274,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         engine_request, headers, model = await prepare_openai_request(
             ctx, principal, image=image, user_text=text, model=req.model,
             max_tokens=req.max_completion_tokens or req.max_tokens, fields=req, logprobs=req.logprobs,
-            guided_json=guided, stream=req.stream)
+            guided_json=guided)
         created = int(time.time())
         base = {"id": engine_request.request_id, "object": "chat.completion", "created": created, "model": model}
         if req.stream:
@@ -285,8 +293,9 @@ def make_router(ctx: AppContext) -> APIRouter:
                                               "logprobs": None}]}
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(ctx, engine_request, frame, final_frame, include_usage),
-                                     media_type="text/event-stream", headers=headers)
+            events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
+                                                 ctx.settings.request_timeout_s)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         result = await ctx.engine.generate(engine_request)
         body = {**base, "choices": [{
             "index": 0, "message": {"role": "assistant", "content": result.text},
@@ -310,7 +319,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         want_logprobs = req.logprobs is not None
         engine_request, headers, model = await prepare_openai_request(
             ctx, principal, image=req.image, user_text=prompt, model=req.model, max_tokens=req.max_tokens,
-            fields=req, logprobs=want_logprobs, guided_json=None, stream=req.stream)
+            fields=req, logprobs=want_logprobs, guided_json=None)
         engine_request = engine_request.model_copy(update={"request_id": "cmpl-" + uuid.uuid4().hex[:24]})
         base = {"id": engine_request.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model}
@@ -328,8 +337,9 @@ def make_router(ctx: AppContext) -> APIRouter:
                                              "finish_reason": finish_reason(result)}]}
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(ctx, engine_request, frame, final_frame, include_usage),
-                                     media_type="text/event-stream", headers=headers)
+            events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
+                                                 ctx.settings.request_timeout_s)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         result = await ctx.engine.generate(engine_request)
         body = {**base, "choices": [{
             "index": 0, "text": result.text,
