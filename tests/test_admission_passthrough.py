@@ -168,27 +168,18 @@ def test_an_engine_request_holds_exactly_one_whole_image():
 
 # --- who decodes a bare PNG's pixels (settings.png_pixel_check) ---------------------------------------------------
 
-def bare_png(width: int, height: int, idat: bytes, *, colour: int = 2, bit_depth: int = 8, interlace: int = 0,
-             extra: bytes = b"") -> bytes:
-    from tests.fixtures.hostile import png_chunk
-
-    ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([bit_depth, colour, 0, 0, interlace])
-    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + extra + png_chunk(b"IDAT", idat)
-            + png_chunk(b"IEND", b""))
-
-
 def test_only_a_bare_rgb8_png_with_right_crcs_may_skip_the_ingress_decode():
     import zlib
 
     from service.admission.images import bare_rgb_png_size
-    from tests.fixtures.hostile import png_chunk
+    from tests.fixtures.hostile import bare_png, png_chunk
 
-    rows = zlib.compress(b"".join(b"\x00" + bytes(30) for _ in range(5)))
+    rows = [zlib.compress(b"".join(b"\x00" + bytes(30) for _ in range(5)))]
     good = bare_png(10, 5, rows)
     assert bare_rgb_png_size(good) == (10, 5)
     assert bare_rgb_png_size(png(page(size=(64, 32)))) == (64, 32)  # what Pillow writes by default
     flipped_crc = bytearray(good)
-    flipped_crc[33 + 8 + len(rows)] ^= 1  # the IDAT chunk's CRC (after signature 8 + IHDR 25 + length/type 8)
+    flipped_crc[33 + 8 + len(rows[0])] ^= 1  # the IDAT chunk's CRC (after signature 8 + IHDR 25 + length/type 8)
     refused = {
         "RGBA": bare_png(10, 5, rows, colour=6), "grey": bare_png(10, 5, rows, colour=0),
         "palette": bare_png(10, 5, rows, colour=3), "16-bit": bare_png(10, 5, rows, bit_depth=16),
@@ -222,6 +213,7 @@ async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refus
     ingress either way."""
     from service.admission.images import decode_image
     from service.api import ocr
+    from tests.fixtures.hostile import bare_png
     from service.api.context import AppContext
     from service.api.protocol import OCRRequest
     from service.engine.protocol import EngineInfo
@@ -245,7 +237,7 @@ async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refus
     assert decode_image(upload, **limits).image is not None  # jobs and the rest decode up front, as always
 
     width, height = 160, 60
-    corrupt = bare_png(width, height, bytes(range(7, 256)) * 4)  # right CRCs around no zlib stream at all
+    corrupt = bare_png(width, height, [bytes(range(7, 256)) * 4])  # right CRCs around no zlib stream at all
     damaged = bytearray(png(page(size=(width, height))))
     damaged[60] ^= 0xFF  # inside the first IDAT: its CRC no longer matches
     for check, upload, engine_sees_it in (("engine", corrupt, True), ("ingress", corrupt, False),

@@ -120,9 +120,11 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
         raise OCRError("unsupported_media_type", "PDF is handled by the PDF path, not as an image")
     if fmt not in allowed_formats:
         raise OCRError("unsupported_media_type", f"{fmt} images are not accepted")
-    if defer_pixels and fmt == "PNG" and (size := bare_rgb_png_size(data)) is not None:
-        _check_size(*size, max_pixels=max_pixels, max_side=max_side)
-        return DecodedImage(image=None, format=fmt, width=size[0], height=size[1], png=data)
+    # a bare PNG (no EXIF, 8-bit RGB) is already the engine's form: it may go on as it is, decoded here or not
+    bare_size = bare_rgb_png_size(data) if fmt == "PNG" else None
+    if defer_pixels and bare_size is not None:
+        _check_size(*bare_size, max_pixels=max_pixels, max_side=max_side)
+        return DecodedImage(image=None, format=fmt, width=bare_size[0], height=bare_size[1], png=data)
     try:
         with warnings.catch_warnings():
             # Our own pixel cap is below Pillow's; turn Pillow's bomb warning into an error too.
@@ -135,7 +137,6 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
                                f"at most {max_frames} accepted")
             img.load()
             upright = img.getexif().get(ExifTags.Base.Orientation, 1) == 1
-            unchanged = img.mode == "RGB" and upright
             if not upright:  # exif_transpose copies even an upright image: a third of an A4 page's decode time
                 img = ImageOps.exif_transpose(img)
             img = _to_rgb(img)
@@ -147,7 +148,7 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
         # (OSError, SyntaxError, struct.error, ZeroDivisionError, MemoryError, ... seen from Pillow's plugins)
         raise OCRError("invalid_image", f"the {fmt} file could not be decoded (corrupt or truncated)") from exc
     return DecodedImage(image=img, format=fmt, width=img.width, height=img.height,
-                        png=data if fmt == "PNG" and unchanged and _bare_png(data) else None)
+                        png=data if bare_size is not None else None)
 
 
 def _check_size(width: int, height: int, *, max_pixels: int, max_side: int) -> None:
@@ -172,13 +173,13 @@ def decode_png_pixels(data: bytes, width: int, height: int) -> Image.Image:
 
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PIXEL_CHUNKS = (b"IHDR", b"IDAT", b"IEND")
 
 
 def bare_rgb_png_size(data: bytes) -> tuple[int, int] | None:
-    """(width, height) of a PNG the engine may decode in our place: IHDR first, 8-bit RGB, not interlaced, then
-    IDAT chunks and IEND only, nothing after IEND, and every chunk's CRC right (so a damaged or truncated upload is
-    still refused here, by a full decode). None for anything else. Reads no pixels: ≈ 0.1 ms for a 300 KiB file."""
+    """(width, height) of a PNG that may go to the engine as it is, and whose pixels the engine may decode in our
+    place: IHDR first, 8-bit RGB, not interlaced, then IDAT chunks and IEND only (no text, ICC or EXIF chunk), nothing
+    after IEND (no polyglot's payload), and every chunk's CRC right (a damaged or truncated upload gets the full
+    decode here, which refuses it). None for anything else. Reads no pixels: 0.04-0.08 ms for an ID card or A4 page."""
     if not data.startswith(_PNG_SIGNATURE):
         return None
     pos, size, idat = len(_PNG_SIGNATURE), None, False
@@ -202,24 +203,6 @@ def bare_rgb_png_size(data: bytes) -> tuple[int, int] | None:
             return None
         pos = end
     return None
-
-
-def _bare_png(data: bytes) -> bool:
-    """Only pixel chunks (IHDR, IDAT…, IEND) and nothing after IEND: such an upload may go to the engine as it is.
-    Anything else (text or ICC chunks, a polyglot's trailing payload) is re-encoded, so the engine never receives
-    the upload's extra bytes."""
-    pos = len(_PNG_SIGNATURE)
-    if not data.startswith(_PNG_SIGNATURE):
-        return False
-    while pos + 8 <= len(data):
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        kind = data[pos + 4:pos + 8]
-        if kind not in _PIXEL_CHUNKS:
-            return False
-        pos += 12 + length  # length, type, data, CRC
-        if kind == b"IEND":
-            return pos == len(data)
-    return False
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
