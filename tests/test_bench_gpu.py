@@ -433,7 +433,7 @@ def test_a_run_over_its_budget_refuses_before_starting_anything(monkeypatch, tmp
     monkeypatch.setattr(bench_gpu.Bench, "part_raw", lambda self, *a: started.append("raw"))
     monkeypatch.setattr(bench_gpu.Bench, "part_service", lambda self, *a: started.append("service"))
     monkeypatch.setattr(bench_gpu.Bench, "finish", lambda self: started.append("finish"))
-    monkeypatch.setattr(bench_gpu, "preflight", lambda parts: {})
+    monkeypatch.setattr(bench_gpu, "preflight", lambda parts, pair_servers=(): {})
     three = ["--parts", "raw,direct,service", "--workloads", "id_card", "--id-levels", "1,128", "--step-s", "20",
              "--max-step-s", "25", "--out", str(tmp_path)]
     assert bench_gpu.main([*three, "--budget-s", "500"]) == 2
@@ -446,3 +446,171 @@ def test_a_run_over_its_budget_refuses_before_starting_anything(monkeypatch, tmp
     started.clear()
     assert bench_gpu.main(three) == 0  # no budget: no limit
     assert started[0] == "prepare"
+
+
+@pytest.fixture()
+def two_ocr_servers():
+    """Two HTTP servers answering like our API (timings_ms.engine), each recording which page it got and when."""
+    import hashlib
+    import time
+
+    seen: list[tuple[str, str, float, float]] = []  # (server, page digest, start, end)
+
+    def handler(name: str, engine_ms: float):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as the paired client expects
+
+            def do_POST(self):  # noqa: N802
+                start = time.perf_counter()
+                page = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["image"]
+                time.sleep(0.005)
+                body = json.dumps({"text": "x", "usage": {"output_tokens": 3},
+                                   "timings_ms": {"engine": engine_ms, "queue": 1.0}}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                seen.append((name, hashlib.sha256(page.encode()).hexdigest(), start, time.perf_counter()))
+
+            def log_message(self, *args):
+                pass
+        return Handler
+
+    servers = {name: http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler(name, engine_ms))
+               for name, engine_ms in (("a", 5.0), ("b", 7.0))}
+    for server in servers.values():
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield {name: f"http://127.0.0.1:{s.server_address[1]}" for name, s in servers.items()}, seen
+    for server in servers.values():
+        server.shutdown()
+
+
+def test_paired_rounds_send_one_page_to_every_server_in_a_new_order_one_request_at_a_time(two_ocr_servers):
+    """`run.run_paired` over real HTTP: each round gives every server the same page (pages cycle over rounds), the
+    servers' turns change order between rounds, and a request starts only after the one before has ended."""
+    import asyncio
+
+    urls, seen = two_ocr_servers
+    job, documents = run.WORKLOADS["id_card"][0], {"id_card": make_documents("id_card", 3)}
+    target = run.OCRTarget()
+    arms = [run.Arm(name, url, target, run.build_requests(target, [job], docs_per_job=3, documents=documents))
+            for name, url in urls.items()]
+    rounds = asyncio.run(run.run_paired(arms, duration_s=0.6))
+    assert len(rounds) >= 6 and all(set(r) == {"a", "b"} and all(s.ok for s in r.values()) for r in rounds)
+    assert len(seen) == 2 * len(rounds)
+    pages = [digest for _, digest, _, _ in seen]
+    assert all(pages[2 * i] == pages[2 * i + 1] for i in range(len(rounds)))  # one page per round
+    assert len(set(pages)) == 3 and pages[0] != pages[2]  # pages cycle
+    orders = {tuple(name for name, *_ in seen[2 * i:2 * i + 2]) for i in range(len(rounds))}
+    assert orders == {("a", "b"), ("b", "a")}
+    assert all(later[2] >= earlier[3] for earlier, later in zip(seen, seen[1:]))  # never two in flight
+    summary = run.paired_summary(rounds, ["a", "b"])
+    assert summary["arms"]["a"]["engine_p50_ms"] == 5.0 and summary["arms"]["b"]["engine_p50_ms"] == 7.0
+
+
+def test_paired_summary_keeps_the_servers_difference_and_drops_the_shared_drift():
+    """Latency drifting by ±60 ms over the run (as between device calls) moves both servers alike: the per-round
+    median difference is the servers' own 7 ms, its bootstrap interval holds it and not 0; a round one server
+    failed counts as its error and leaves every server's percentiles."""
+    import math
+
+    def sample(ms: float, ok: bool = True, engine: float | None = None) -> run.Sample:
+        return run.Sample(0.0, ms / 1000, 200 if ok else 500, ok, None if ok else "internal", 64, engine)
+
+    rounds = []
+    for i in range(80):
+        drift = 250 + 60 * math.sin(i / 6)
+        noise = ((i * 37) % 11 - 5) * 0.4  # deterministic jitter, ±2 ms
+        rounds.append({"raw": sample(drift), "service": sample(drift + 7 + noise, engine=drift - 3)})
+    rounds.append({"raw": sample(200), "service": sample(9000, ok=False)})
+    s = run.paired_summary(rounds, ["raw", "service"])
+    assert (s["rounds"], s["complete_rounds"], s["reference"]) == (81, 80, "raw")
+    assert s["arms"]["service"]["errors"] == 1 and s["arms"]["raw"]["errors"] == 0
+    d = s["differences"]["service"]
+    assert abs(d["median_ms"] - 7) <= 1 and abs(d["mean_ms"] - 7) <= 1
+    assert d["ci95_ms"][0] <= d["median_ms"] <= d["ci95_ms"][1] and d["ci95_ms"][0] > 4 and d["ci95_ms"][1] < 10
+    # the drift is far wider than the difference: each server's own p95 − p50 spans tens of ms
+    assert s["arms"]["raw"]["p95_ms"] - s["arms"]["raw"]["p50_ms"] > 30
+    assert s["arms"]["service"]["p95_ms"] < 9000 and s["arms"]["service"]["engine_p50_ms"] is not None
+    assert "raw" not in s["differences"]
+    assert s["between"] == {} and len(s["rounds_ms"]["service"]) == 80  # two servers: one difference
+
+
+def test_paired_part_starts_its_servers_at_once_with_one_kv_size_and_stops_them_all(tmp_path, monkeypatch):
+    """Part pair: raw, service and direct start concurrently (each waits for the others at a barrier), every engine
+    gets the same fixed KV cache instead of a profiled share, each its own vLLM compile cache; the rounds' summary
+    lands in results and the report; when one server fails to start, the others are stopped and the part fails."""
+    bench = _bench(tmp_path, docs=2, kit_dir=tmp_path / "kit", pair_s=6.0)
+    bench.prepare()
+    barrier = threading.Barrier(3, timeout=20)
+    started, stopped = {}, []
+
+    class Proc:
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self, timeout_s):
+            stopped.append(self.name)
+
+    def fake(kind, fail=False):
+        def start(*args, extra_env=None, **kwargs):
+            barrier.wait()
+            config = args[1] if kind == "raw" else args[0]
+            started[kind] = (config, extra_env)
+            if fail:
+                raise RuntimeError(f"{kind} exited with 1 before it was ready")
+            return Proc(kind), f"http://127.0.0.1:1/{kind}"
+        return start
+
+    async def fake_warm_up(url, target, requests, **kwargs):
+        return []
+
+    async def fake_rounds(arms, duration_s, timeout_s=900.0, seed=0):
+        assert [a.name for a in arms] == ["raw", "service", "direct"] and duration_s == 6.0
+        assert isinstance(arms[0].target, run.OpenAIChatTarget) and isinstance(arms[1].target, run.OCRTarget)
+        assert [r.document for r in arms[0].requests] == [r.document for r in arms[2].requests]
+        return [{a.name: run.Sample(0, 0.25 + 0.01 * k + 0.001 * i, 200, True) for k, a in enumerate(arms)}
+                for i in range(10)]
+
+    monkeypatch.setattr(bench_gpu, "start_vllm_server", fake("raw"))
+    monkeypatch.setattr(bench_gpu, "start_service", fake("service"))
+    monkeypatch.setattr(bench_gpu, "start_direct", fake("direct"))
+    monkeypatch.setattr(run, "warm_up", fake_warm_up)
+    monkeypatch.setattr(run, "run_paired", fake_rounds)
+    bench.part_pair()
+
+    kv_bytes = int(bench_gpu.ONE_ENGINE_KV_GIB * 1024**3)
+    assert started["raw"][0]["kv_cache_memory_bytes"] == kv_bytes
+    assert started["service"][0]["kv_cache_memory_gb"] == started["direct"][0]["kv_cache_memory_gb"] == \
+        bench_gpu.ONE_ENGINE_KV_GIB
+    assert bench.settings.get("kv_cache_memory_gb") is None  # the sweeps' servers keep the profiled share
+    caches = {kind: env["VLLM_CACHE_ROOT"] for kind, (_, env) in started.items()}
+    assert len(set(caches.values())) == 3
+    assert sorted(stopped) == ["direct", "raw", "service"]
+    pair = bench.results["parts"]["pair"]
+    assert pair["complete_rounds"] == 10 and pair["differences"]["service"]["median_ms"] == 10.0
+    assert pair["differences"]["direct"]["median_ms"] == 20.0
+    assert pair["between"]["direct − service"]["median_ms"] == 10.0 and len(pair["rounds_ms"]["raw"]) == 10
+    assert "direct − service median +10.0 ms" in (tmp_path / "report.md").read_text()  # written before the stops
+    assert "| service | " in bench.report() and "− raw per round" in bench.report()
+
+    # one server fails to start: the others are stopped, the part fails, no rounds run
+    stopped.clear()
+    barrier.reset()
+    monkeypatch.setattr(bench_gpu, "start_service", fake("service", fail=True))
+    bench.results["parts"].pop("pair")
+    with pytest.raises(RuntimeError, match="service exited"):
+        bench.part_pair()
+    assert sorted(stopped) == ["direct", "raw"] and "arms" not in bench.results["parts"]["pair"]
+
+
+def test_pair_servers_are_checked_before_anything_starts(tmp_path):
+    for bad in ("raw", "raw,raw", "raw,hf", "raw_api4,service"):
+        with pytest.raises(ValueError, match="--pair-servers"):
+            _bench(tmp_path, pair_servers=bad)
+    assert _bench(tmp_path, pair_servers="raw, service@idec").args.pair_servers == ["raw", "service@idec"]
+    with pytest.raises(SystemExit):  # a label no --variant defines
+        bench_gpu.main(["--parts", "pair", "--pair-servers", "raw,service@x", "--plan-only", "--out", str(tmp_path)])
+    assert bench_gpu.main(["--parts", "pair", "--pair-servers", "raw,service@x", "--variant", "x:env:A=1",
+                           "--plan-only", "--out", str(tmp_path)]) == 0
