@@ -18,6 +18,8 @@
    share that the mode saves per request.
 6. `png_check`: the `overhead` measurement with a passed-on PNG's pixels decoded by the engine only (the default,
    `png_pixel_check: engine`) and by the ingress too (`ingress`), alternating rounds.
+7. `http_proxy`: the `overhead` measurement with Serve's Python proxy actor (the default) and with HAProxy in its
+   place in front of the ingress replicas (`RAY_SERVE_ENABLE_HA_PROXY=1`), alternating rounds.
 
     python -m loadtest bench cpu --out results/cpu
 """
@@ -37,10 +39,13 @@ from loadtest import run
 from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
-ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check")
+ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy")
 SERVE_MODES = {"standard": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
                "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
 PNG_CHECKS = {"engine": {"OCR_PNG_PIXEL_CHECK": "engine"}, "ingress": {"OCR_PNG_PIXEL_CHECK": "ingress"}}
+# what takes the client's HTTP request: Serve's Python proxy actor, or HAProxy (ray[serve] ships the binary) in
+# front of the ingress replicas' own HTTP ports
+HTTP_PROXIES = {"proxy_actor": {"RAY_SERVE_ENABLE_HA_PROXY": "0"}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
 
 
 def _tiny_png() -> GeneratedDocument:
@@ -165,6 +170,19 @@ def bench_png_check(out: Path, requests: int, rounds: int) -> dict[str, Any]:
         row["ingress_p50_saved_ms"] = round(row["ingress"]["ingress_p50_ms"] - row["engine"]["ingress_p50_ms"], 2)
         print(f"  png check {name:<18} client p50: pixels decoded by the engine only {row['engine']['client_p50_ms']:.1f}"
               f" ms, by the ingress too {row['ingress']['client_p50_ms']:.1f} ms", flush=True)
+    return result
+
+
+def bench_http_proxy(out: Path, requests: int, rounds: int) -> dict[str, Any]:
+    """Serve's Python HTTP proxy actor against HAProxy in front of the ingress replicas, alternating
+    (`_alternating_modes`): the hop the client's request takes before our ingress code runs."""
+    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0]}
+    result = _alternating_modes(out, HTTP_PROXIES, documents, requests, rounds)
+    for name in documents:
+        row = result[name]
+        row["client_p50_saved_ms"] = round(row["proxy_actor"]["client_p50_ms"] - row["haproxy"]["client_p50_ms"], 2)
+        print(f"  http proxy {name:<18} client p50 proxy actor {row['proxy_actor']['client_p50_ms']:.1f} ms, "
+              f"HAProxy {row['haproxy']['client_p50_ms']:.1f} ms", flush=True)
     return result
 
 
@@ -370,6 +388,15 @@ def report(results: dict[str, Any]) -> str:
         lines += ["", "Saved per request by leaving the pixels to the engine (p50): " + ", ".join(
             f"{name} {v['client_p50_saved_ms']} ms client, {v['ingress_p50_saved_ms']} ms ingress"
             for name, v in c.items() if isinstance(v, dict)), ""]
+    h = results.get("http_proxy")
+    if h:
+        lines += ["| payload (mock engine) | HTTP proxy | client p50 ms | outside ingress p50 ms |", "|---|---|---|---|"]
+        for name, v in h.items():
+            if isinstance(v, dict):
+                lines += [f"| {name} | {mode} | {v[mode]['client_p50_ms']} | {v[mode]['outside_ingress_p50_ms']} |"
+                          for mode in HTTP_PROXIES]
+        lines += ["", "Client p50 saved by HAProxy: " + ", ".join(
+            f"{name} {v['client_p50_saved_ms']} ms" for name, v in h.items() if isinstance(v, dict)), ""]
     e = results.get("embedded")
     if e:
         lines += ["| embedded engine (" + e["documents"] + ") | direct rapidocr docs/s | through the API docs/s "
@@ -441,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead": lambda: bench_overhead(args.out, args.overhead_requests),
         "serve_mode": lambda: bench_serve_mode(args.out, args.overhead_requests, args.rounds),
         "png_check": lambda: bench_png_check(args.out, args.overhead_requests, args.rounds),
+        "http_proxy": lambda: bench_http_proxy(args.out, args.overhead_requests, args.rounds),
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
         "admission": lambda: bench_admission(),
         "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),

@@ -25,15 +25,22 @@ IN_FLIGHT = 10
 MOCK_DELAY_S = 12.0  # long enough that the 10 are still running when SIGTERM arrives
 
 
-# Ray Serve's throughput-optimized mode (our default), where a handle's router runs on the caller's event loop, and
-# its standard mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=0): the drain's handle calls and Serve's shutdown must work in both
-@pytest.fixture(params=["0", "1"], ids=["standard", "throughput_optimized"])
+# Ray Serve's throughput-optimized mode (our default), where a handle's router runs on the caller's event loop, its
+# standard mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=0), and HAProxy in front of the ingress replicas instead of Serve's
+# proxy actor (RAY_SERVE_ENABLE_HA_PROXY=1, opt-in): the drain's handle calls, its refusals and Serve's shutdown must
+# work in each
+SERVE_SETUPS = {"standard": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+                "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+                "haproxy": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+
+
+@pytest.fixture(params=list(SERVE_SETUPS))
 def serving_process(tmp_path, request):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "OCR_"))}
     env.update({"OCR_MOCK_DELAY_S": str(MOCK_DELAY_S), "OCR_RATE_LIMIT_ENABLED": "false",
                 "OCR_GRACEFUL_SHUTDOWN_TIMEOUT_S": "120", "OCR_MAX_ONGOING_REQUESTS": "32",
-                "RAY_SERVE_THROUGHPUT_OPTIMIZED": request.param})
+                **SERVE_SETUPS[request.param]})
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--engine", "mock", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

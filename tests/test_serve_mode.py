@@ -86,3 +86,37 @@ def test_start_ray_warns_when_this_process_read_another_serve_mode(monkeypatch, 
         local.start_ray()
     assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"  # the default, set before Ray starts
     assert "Serve mode differs" in caplog.text
+
+
+def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypatch):
+    """RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in; docs/DEPLOY.md): the service port belongs to an haproxy process, not to
+    Serve's proxy actor, and through it a real page gets its OCR (a body far over HAProxy's 16 KiB buffer), a
+    stream its events, bad input its stable 4xx; HAProxy's stats and metrics listeners got free ports, not the
+    fixed 8404/9101 (start_ray), so two services on one machine do not collide."""
+    from loadtest.documents import make_documents
+    from loadtest.resources import process_kind
+
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    proc, url = start_service({"engine": "mock", "ingress_replicas": 2, "graceful_shutdown_timeout_s": 2},
+                              log_path=tmp_path / "serve.log", ready_timeout_s=180,
+                              extra_env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    try:
+        members = [proc.pid, *_session_members(proc.pid)]
+        haproxy = [pid for pid in members if process_kind(pid).endswith("haproxy")]
+        assert haproxy, [process_kind(pid) for pid in members]
+        port = int(url.rsplit(":", 1)[1])
+        held = listening_ports(haproxy)
+        assert port in held and not {8404, 9101} & set(held), held
+        body = {"image": make_documents("id_card", 1)[0].data_url(), "task": "text"}  # a rendered ID card
+        assert len(body["image"]) > 3 * 16 * 1024
+        resp = httpx.post(url + "/v1/ocr", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["text"], resp.text
+        with httpx.stream("POST", url + "/v1/ocr", json={**body, "stream": True}, timeout=60) as stream:
+            assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in stream.iter_lines() if line.startswith("event:")]
+        assert events and events[-1] == "event: result", events
+        bad = httpx.post(url + "/v1/ocr", json={"image": "not base64!", "task": "text"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_base64"
+        assert httpx.get(url + "/readyz", timeout=10).status_code == 200
+    finally:
+        proc.stop(timeout_s=60)

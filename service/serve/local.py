@@ -28,12 +28,29 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 # goes through the Serve proxy, and the CLI drains in-flight requests itself: the wait only made every stop 26 s
 # longer (6 -> 32 s with the mock engine), so it is 0 here as in the Helm chart.
 SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+# RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in): HAProxy, which ray[serve] ships, takes the client's HTTP in place of Serve's
+# Python proxy actor and forwards it to the ingress replicas' own ports. With the mock engine it answered 4.4-5.0 ms
+# sooner at p50 (docs/BENCHMARKS.md, tenth session). Its stats page and Prometheus exporter bind fixed ports (8404,
+# 9101) on every interface; here each gets a free port unless the environment names one, so two services on one
+# machine do not collide.
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None) -> None:
     for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV}.items():
         os.environ.setdefault(key, value)
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        for key in HAPROXY_PORT_ENV:
+            os.environ.setdefault(key, str(_free_port()))
     import sys
 
     serve_constants = sys.modules.get("ray.serve._private.constants")
