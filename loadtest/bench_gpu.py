@@ -740,7 +740,7 @@ class Bench:
 
         def launch(name: str) -> tuple[Any, str, run.Target]:
             env = {"VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-pair-{file_stem(name)}")}
-            if base_part(name) == "raw":
+            if base_part(name) in ("raw", "raw_stock"):
                 return self.launch_raw(name, settings, extra_env=env)
             proc, url = self.launch_ours(name, self.service_variant_settings(name, settings), extra_env=env)
             return proc, url, run.OCRTarget()

@@ -466,12 +466,13 @@ def two_ocr_servers():
                 time.sleep(0.005)
                 body = json.dumps({"text": "x", "usage": {"output_tokens": 3},
                                    "timings_ms": {"engine": engine_ms, "queue": 1.0}}).encode()
+                # done before the answer leaves: the client cannot send its next request earlier than this
+                seen.append((name, hashlib.sha256(page.encode()).hexdigest(), start, time.perf_counter()))
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-                seen.append((name, hashlib.sha256(page.encode()).hexdigest(), start, time.perf_counter()))
 
             def log_message(self, *args):
                 pass
@@ -543,7 +544,8 @@ def test_paired_part_starts_its_servers_at_once_with_one_kv_size_and_stops_them_
     lands in results and the report; when one server fails to start, the others are stopped and the part fails."""
     bench = _bench(tmp_path, docs=2, kit_dir=tmp_path / "kit", pair_s=6.0)
     bench.prepare()
-    barrier = threading.Barrier(3, timeout=20)
+    bench.raw_variant_engine_args("raw")  # vLLM's first import (tens of seconds on a busy CI machine) before the barrier
+    barrier = threading.Barrier(3, timeout=60)
     started, stopped = {}, []
 
     class Proc:
@@ -605,11 +607,37 @@ def test_paired_part_starts_its_servers_at_once_with_one_kv_size_and_stops_them_
     assert sorted(stopped) == ["direct", "raw"] and "arms" not in bench.results["parts"]["pair"]
 
 
-def test_pair_servers_are_checked_before_anything_starts(tmp_path):
+def test_pair_servers_are_checked_before_anything_starts(tmp_path, monkeypatch):
     for bad in ("raw", "raw,raw", "raw,hf", "raw_api4,service"):
         with pytest.raises(ValueError, match="--pair-servers"):
             _bench(tmp_path, pair_servers=bad)
     assert _bench(tmp_path, pair_servers="raw, service@idec").args.pair_servers == ["raw", "service@idec"]
+
+    # raw_stock is a raw server too: it starts through `vllm serve`, never as our service
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit", pair_servers="raw_stock,direct", pair_s=5.0)
+    bench.prepare()
+    started = []
+
+    class Proc:
+        def stop(self, timeout_s):
+            pass
+
+    def fake(kind):
+        def start(*args, **kwargs):
+            started.append(kind)
+            return Proc(), "http://127.0.0.1:1"
+        return start
+
+    async def no_requests(*args, **kwargs):
+        return []
+
+    monkeypatch.setattr(bench_gpu, "start_vllm_server", fake("vllm serve"))
+    monkeypatch.setattr(bench_gpu, "start_direct", fake("direct"))
+    monkeypatch.setattr(run, "warm_up", no_requests)
+    monkeypatch.setattr(run, "run_paired", no_requests)
+    bench.part_pair()
+    assert sorted(started) == ["direct", "vllm serve"]
+    assert "renderer_num_workers" not in bench.results["parts"]["raw_stock"]["engine_args"]  # vLLM's own defaults
     with pytest.raises(SystemExit):  # a label no --variant defines
         bench_gpu.main(["--parts", "pair", "--pair-servers", "raw,service@x", "--plan-only", "--out", str(tmp_path)])
     assert bench_gpu.main(["--parts", "pair", "--pair-servers", "raw,service@x", "--variant", "x:env:A=1",
