@@ -642,3 +642,32 @@ def test_pair_servers_are_checked_before_anything_starts(tmp_path, monkeypatch):
         bench_gpu.main(["--parts", "pair", "--pair-servers", "raw,service@x", "--plan-only", "--out", str(tmp_path)])
     assert bench_gpu.main(["--parts", "pair", "--pair-servers", "raw,service@x", "--variant", "x:env:A=1",
                            "--plan-only", "--out", str(tmp_path)]) == 0
+
+
+def test_pair_runs_raw_service_and_direct_at_once_on_real_vllm_cpu_engines(tmp_path):
+    """Part pair end to end on CPU (`--tiny`): raw `vllm serve`, our service and direct start at once, each with its
+    own vLLM-CPU engine and the tiny kit; every round reaches all three without an error, and results.json and
+    report.md hold the per-round differences and latencies. No timing assertions."""
+    import os
+    from pathlib import Path
+
+    out = tmp_path / "pair"
+    assert bench_gpu.main(["--tiny", "--parts", "pair", "--workloads", "id_card", "--pair-s", "5", "--docs", "2",
+                           "--kit-dir", str(tmp_path / "kit"), "--out", str(out)]) == 0
+    pair = json.loads((out / "results.json").read_text())["parts"]["pair"]
+    assert pair["servers"] == ["raw", "service", "direct"] and pair["complete_rounds"] >= 2
+    assert all(arm["errors"] == 0 and arm["p50_ms"] > 0 for arm in pair["arms"].values()), pair["arms"]
+    assert pair["arms"]["service"]["engine_p50_ms"] > 0 and pair["arms"]["raw"]["engine_p50_ms"] is None
+    assert set(pair["differences"]) == {"service", "direct"} and set(pair["between"]) == {"direct − service"}
+    assert all(len(v) == pair["complete_rounds"] for v in pair["rounds_ms"].values())
+    assert "Side by side, one client" in (out / "report.md").read_text()
+    logs = sorted(p.name for p in (out / "logs").glob("*.log"))
+    assert logs == ["direct.log", "service.log", "vllm-serve-raw.log"], logs
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if str(tmp_path).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                leftovers.append(pid)
+        except OSError:
+            continue
+    assert not leftovers, leftovers  # raw `vllm serve` names the kit on its command line
