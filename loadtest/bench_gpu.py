@@ -62,7 +62,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from loadtest import run
-from loadtest.common import (environment_facts, service_prompt, start_direct, start_service, start_vllm_server)
+from loadtest.common import (environment_facts, port_holder, service_prompt, start_direct, start_service,
+                             start_vllm_server)
 from loadtest.resources import (GpuUtilisation, busiest_pids, cpu_percent, cpu_snapshot, record_stacks,
                                 summarise_stacks)
 from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
@@ -718,8 +719,11 @@ class Bench:
             self.results["parts"][name]["env"] = self.label_env(name)
         start = start_direct if direct else start_service
         env = {**OFFLINE_ENV, **(self.raw_torch_env() if direct else {}), **(extra_env or {}), **self.label_env(name)}
-        return start(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
-                     ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
+        proc, url = start(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
+                          ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
+        if not direct:  # which HTTP front end the clients reach: Serve's proxy actor, or HAProxy when asked for
+            self.results["parts"][name]["http_listener"] = port_holder(proc, int(url.rsplit(":", 1)[1]))
+        return proc, url
 
     def part_pair(self) -> None:
         """The servers of --pair-servers at once on the GPU, one client: rounds of the same document sent to each in
@@ -1035,6 +1039,9 @@ class Bench:
                 lines += ["", "Per round, between the others: " + "; ".join(
                     f"{pair_name} median {d['median_ms']:+} ms ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), "
                     f"mean {d['mean_ms']:+}" for pair_name, d in pair["between"].items())]
+        listeners = {name: part["http_listener"] for name, part in r["parts"].items() if part.get("http_listener")}
+        if listeners:
+            lines += ["", "HTTP port held by: " + "; ".join(f"{name}: `{held}`" for name, held in listeners.items())]
         if r.get("vllm_plugin"):
             lines += ["", "Our vLLM plugin's patches per server log: " + "; ".join(
                 f"{name}: {', '.join(patches) or 'none'}" for name, patches in r["vllm_plugin"].items())]

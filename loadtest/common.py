@@ -117,6 +117,43 @@ def _session_members(sid: int) -> list[int]:
     return members
 
 
+def listening_ports(pids: list[int]) -> dict[int, str]:
+    """TCP ports in LISTEN state whose sockets these processes hold, with their bound address as /proc/net/tcp{,6}
+    writes it (0100007F: 127.0.0.1; 00000000: every interface)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:  # gone, or not ours to read
+            continue
+    ports = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                ports[int(port, 16)] = address
+    return ports
+
+
+def port_holder(process: ManagedProcess, port: int) -> str | None:
+    """What holds `port` in `process`'s session (loadtest.resources.process_kind): the service's HTTP port belongs
+    to Serve's proxy actor (`ray::ProxyActor`) or, with RAY_SERVE_ENABLE_HA_PROXY=1, to an `haproxy` process."""
+    from loadtest.resources import process_kind
+
+    for pid in [process.pid, *_session_members(process.pid)]:
+        if port in listening_ports([pid]):
+            return process_kind(pid)
+    return None
+
+
 def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = None, expect: int = 200) -> float:
     """Poll `url` until it answers `expect`; fail early if `process` died. Returns the seconds waited."""
     started = time.monotonic()

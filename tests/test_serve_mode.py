@@ -7,39 +7,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadtest.common import _session_members, start_service
+from loadtest.common import _session_members, listening_ports, start_service
 
 pytestmark = pytest.mark.ray
 
 DIRECT_INGRESS_PORTS = range(30000, 31001)
-
-
-def listening_ports(pids: list[int]) -> dict[int, str]:
-    """TCP ports in LISTEN state whose sockets these processes hold, with their bound address as /proc/net/tcp{,6}
-    writes it (0100007F: 127.0.0.1; 00000000: every interface)."""
-    import os
-
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:  # gone, or not ours to read
-            continue
-    ports = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
-                address, port = fields[1].rsplit(":", 1)
-                ports[int(port, 16)] = address
-    return ports
 
 
 @pytest.mark.parametrize("env, direct_ingress", [(None, True), ("0", False), ("1", True)],
