@@ -661,6 +661,8 @@ def test_pair_runs_raw_service_and_direct_at_once_on_real_vllm_cpu_engines(tmp_p
     assert set(pair["differences"]) == {"service", "direct"} and set(pair["between"]) == {"direct − service"}
     assert all(len(v) == pair["complete_rounds"] for v in pair["rounds_ms"].values())
     assert "Side by side, one client" in (out / "report.md").read_text()
+    parts = json.loads((out / "results.json").read_text())["parts"]
+    assert parts["service"]["http_listener"] == "ray::ProxyActor" and "http_listener" not in parts["direct"]
     logs = sorted(p.name for p in (out / "logs").glob("*.log"))
     assert logs == ["direct.log", "service.log", "vllm-serve-raw.log"], logs
     leftovers = []

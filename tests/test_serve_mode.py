@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from loadtest.common import _session_members, listening_ports, start_service
+from loadtest.common import _session_members, listening_ports, port_holder, start_service
 
 pytestmark = pytest.mark.ray
 
@@ -30,6 +30,7 @@ def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwis
             assert ports[port] == "0100007F", (port, ports[port])
             assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
         assert httpx.get(url + "/readyz", timeout=10).status_code == 200  # and the proxy still does
+        assert port_holder(proc, int(url.rsplit(":", 1)[1])) == "ray::ProxyActor"
     finally:
         proc.stop(timeout_s=60)
 
@@ -79,6 +80,7 @@ def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypa
         port = int(url.rsplit(":", 1)[1])
         held = listening_ports(haproxy)
         assert port in held and not {8404, 9101} & set(held), held
+        assert port_holder(proc, port) == "haproxy"  # what bench gpu records as the service's front end
         body = {"image": make_documents("id_card", 1)[0].data_url(), "task": "text"}  # a rendered ID card
         assert len(body["image"]) > 3 * 16 * 1024
         resp = httpx.post(url + "/v1/ocr", json=body, timeout=60)
