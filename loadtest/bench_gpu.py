@@ -53,11 +53,12 @@ import dataclasses
 import gc
 import importlib.util
 import json
-import re
 import os
+import re
 import tempfile
 import time
 import traceback
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
@@ -725,7 +726,7 @@ class Bench:
         proc, url = start(settings, log_path=self.out / "logs" / f"{file_stem(name)}.log",
                           ready_timeout_s=max(60.0, min(self.left(), 1800.0)), extra_env=env)
         if not direct:  # which HTTP front end the clients reach: Serve's proxy actor, or HAProxy when asked for
-            self.results["parts"][name]["http_listener"] = port_holder(proc, int(url.rsplit(":", 1)[1]))
+            self.results["parts"][name]["http_listener"] = port_holder(proc, urllib.parse.urlsplit(url).port)
         return proc, url
 
     def part_pair(self) -> None:
@@ -788,7 +789,8 @@ class Bench:
         differences = {f"{name} − {entry['reference']}": d for name, d in entry["differences"].items()}
         for pair_name, d in {**differences, **entry["between"]}.items():
             self.log(f"pair {pair_name}: median {d['median_ms']:+} ms "
-                     f"(95 % {d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), mean {d['mean_ms']:+}")
+                     f"(95 % {d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), mean {d['mean_ms']:+} "
+                     f"({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})")
         self.save()
         (self.out / "report.md").write_text(self.report())  # before the stops: a device call may end during them
 
@@ -1031,10 +1033,11 @@ class Bench:
                       f"{len(pair['arms'])} servers in {pair['seconds']:g} s, each server's turn in a random order; "
                       f"KV cache {pair['kv_cache_memory_gb']} GiB each):", "",
                       f"| server | p50 ms | mean ms | p95 ms | engine p50 ms | errors | − {pair['reference']} per round, "
-                      "median ms (95 % interval) | mean ms |", "|---|---:|---:|---:|---:|---:|---|---:|"]
+                      "median ms (95 % interval) | mean ms (95 % interval) |", "|---|---:|---:|---:|---:|---:|---|---|"]
             for name, a in pair["arms"].items():
                 d = pair["differences"].get(name)
-                diff = (f"{d['median_ms']:+} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}) | {d['mean_ms']:+}" if d
+                diff = (f"{d['median_ms']:+} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}) | {d['mean_ms']:+} "
+                        f"({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})" if d
                         else "reference | ")
                 lines.append(f"| {name} | {a['p50_ms']} | {a['mean_ms']} | {a['p95_ms']} | "
                              f"{_or_dash(a['engine_p50_ms'])} | {a['errors']} | {diff} |")

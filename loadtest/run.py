@@ -490,7 +490,7 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
                    ) -> dict[str, Any]:
     """Per arm: latency p50/mean/p95 over the rounds every arm answered, and the engine's own p50 where the server
     reports it; per arm after the first (the reference): the median and mean of its per-round latency minus the
-    reference's, with a bootstrap 95 % interval of that median; the same for every other pair of arms (`between`,
+    reference's, with bootstrap 95 % intervals of that median and mean (the same resamples); the same for every other pair of arms (`between`,
     "b − a" for a named before b); and each arm's latency per complete round, for later analysis."""
     complete = [r for r in rounds if all(r[name].ok for name in names)]
     out: dict[str, Any] = {"rounds": len(rounds), "complete_rounds": len(complete), "reference": names[0],
@@ -508,10 +508,13 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
     rng = random.Random(seed)
 
     def difference(a: str, b: str) -> dict[str, Any]:
-        deltas = [(r[b].latency_s - r[a].latency_s) * 1000 for r in complete]
-        medians = sorted(float(np.median([rng.choice(deltas) for _ in deltas])) for _ in range(resamples))
+        deltas = np.array([(r[b].latency_s - r[a].latency_s) * 1000 for r in complete])
+        picks = np.array([[rng.randrange(len(deltas)) for _ in deltas] for _ in range(resamples)])
+        medians, means = np.sort(np.median(deltas[picks], axis=1)), np.sort(deltas[picks].mean(axis=1))
+        low, high = int(0.025 * resamples), int(0.975 * resamples) - 1
         return {"median_ms": _round(float(np.median(deltas))), "mean_ms": _round(float(np.mean(deltas))),
-                "ci95_ms": [_round(medians[int(0.025 * resamples)]), _round(medians[int(0.975 * resamples) - 1])]}
+                "ci95_ms": [_round(float(medians[low])), _round(float(medians[high]))],
+                "mean_ci95_ms": [_round(float(means[low])), _round(float(means[high]))]}
 
     if complete:
         for i, b in enumerate(names[1:], start=1):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import dataclasses
 import json
+import os
 import threading
 
 import pytest
@@ -531,6 +532,8 @@ def test_paired_summary_keeps_the_servers_difference_and_drops_the_shared_drift(
     d = s["differences"]["service"]
     assert abs(d["median_ms"] - 7) <= 1 and abs(d["mean_ms"] - 7) <= 1
     assert d["ci95_ms"][0] <= d["median_ms"] <= d["ci95_ms"][1] and d["ci95_ms"][0] > 4 and d["ci95_ms"][1] < 10
+    assert d["mean_ci95_ms"][0] <= d["mean_ms"] <= d["mean_ci95_ms"][1] and d["mean_ci95_ms"][0] > 4 \
+        and d["mean_ci95_ms"][1] < 10
     # the drift is far wider than the difference: each server's own p95 − p50 spans tens of ms
     assert s["arms"]["raw"]["p95_ms"] - s["arms"]["raw"]["p50_ms"] > 30
     assert s["arms"]["service"]["p95_ms"] < 9000 and s["arms"]["service"]["engine_p50_ms"] is not None
@@ -551,6 +554,7 @@ def test_paired_part_starts_its_servers_at_once_with_one_kv_size_and_stops_them_
     class Proc:
         def __init__(self, name):
             self.name = name
+            self.pid = os.getpid()  # holds no listening port 1: the service's front end is recorded as unknown
 
         def stop(self, timeout_s):
             stopped.append(self.name)
@@ -596,6 +600,7 @@ def test_paired_part_starts_its_servers_at_once_with_one_kv_size_and_stops_them_
     assert pair["between"]["direct − service"]["median_ms"] == 10.0 and len(pair["rounds_ms"]["raw"]) == 10
     assert "direct − service median +10.0 ms" in (tmp_path / "report.md").read_text()  # written before the stops
     assert "| service | " in bench.report() and "− raw per round" in bench.report()
+    assert bench.results["parts"]["service"]["http_listener"] is None and "held by" not in bench.report()
 
     # one server fails to start: the others are stopped, the part fails, no rounds run
     stopped.clear()
