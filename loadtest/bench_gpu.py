@@ -1044,7 +1044,8 @@ class Bench:
             if pair.get("between"):
                 lines += ["", "Per round, between the others: " + "; ".join(
                     f"{pair_name} median {d['median_ms']:+} ms ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), "
-                    f"mean {d['mean_ms']:+}" for pair_name, d in pair["between"].items())]
+                    f"mean {d['mean_ms']:+} ({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})"
+                    for pair_name, d in pair["between"].items())]
         listeners = {name: part["http_listener"] for name, part in r["parts"].items() if part.get("http_listener")}
         if listeners:
             lines += ["", "HTTP port held by: " + "; ".join(f"{name}: `{held}`" for name, held in listeners.items())]

@@ -143,7 +143,7 @@ def listening_ports(pids: list[int]) -> dict[int, str]:
     return ports
 
 
-def port_holder(process: ManagedProcess, port: int) -> str | None:
+def port_holder(process: ManagedProcess, port: int | None) -> str | None:
     """What holds `port` in `process`'s session (loadtest.resources.process_kind): the service's HTTP port belongs
     to Serve's proxy actor (`ray::ProxyActor`) or, with RAY_SERVE_ENABLE_HA_PROXY=1, to an `haproxy` process."""
     from loadtest.resources import process_kind

@@ -490,8 +490,9 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
                    ) -> dict[str, Any]:
     """Per arm: latency p50/mean/p95 over the rounds every arm answered, and the engine's own p50 where the server
     reports it; per arm after the first (the reference): the median and mean of its per-round latency minus the
-    reference's, with bootstrap 95 % intervals of that median and mean (the same resamples); the same for every other pair of arms (`between`,
-    "b − a" for a named before b); and each arm's latency per complete round, for later analysis."""
+    reference's, with bootstrap 95 % intervals of that median and mean (from the same resamples); the same for
+    every other pair of arms (`between`, "b − a" for a named before b); and each arm's latency per complete round,
+    for later analysis."""
     complete = [r for r in rounds if all(r[name].ok for name in names)]
     out: dict[str, Any] = {"rounds": len(rounds), "complete_rounds": len(complete), "reference": names[0],
                            "arms": {}, "differences": {}, "between": {},
