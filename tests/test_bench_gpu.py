@@ -320,6 +320,8 @@ def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path,
     started, sweeps = [], []
 
     class Proc:
+        pid = os.getpid()  # a real process holding no port 1: the front end is recorded as unknown
+
         def stop(self, timeout_s):
             started.append("stopped")
 
@@ -624,6 +626,8 @@ def test_pair_servers_are_checked_before_anything_starts(tmp_path, monkeypatch):
     started = []
 
     class Proc:
+        pid = os.getpid()
+
         def stop(self, timeout_s):
             pass
 
