@@ -8,6 +8,7 @@
     python -m loadtest bench limiter ...  rate-limiter decisions/s (loadtest/bench_limiter.py)
     python -m loadtest bench preprocess   image preprocessing images/s per backend and thread count (no GPU)
     python -m loadtest bench encoder ...  the vision tower alone on the GPU: ms per image, kernels (vLLM + CUDA)
+    python -m loadtest bench pool A B     pool the rounds of several `bench gpu --parts pair` runs (no GPU)
 
 `python -m loadtest CMD --help` lists each command's options; docs/BENCHMARKS.md has the exact commands behind
 the published numbers.
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "limiter": "loadtest.bench_limiter",
     "preprocess": "loadtest.bench_preprocess",
     "encoder": "loadtest.profile_encoder",
+    "pool": "loadtest.pool_pairs",
 }
 
 

@@ -1,0 +1,60 @@
+"""`python -m loadtest bench pool`: rounds of several pair runs pooled into one paired summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest.__main__ import main as loadtest_main
+from loadtest.pool_pairs import pool
+
+
+def pair_results(path, servers, rounds_ms, workload="id_card"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    diffs = {name: {"median_ms": 0.0} for name in servers[1:]}
+    path.write_text(json.dumps({"parts": {"pair": {"servers": servers, "workload": workload, "differences": diffs,
+                                                    "rounds_ms": rounds_ms}}}))
+    return path
+
+
+def test_pooled_rounds_narrow_the_interval_and_keep_each_runs_median(tmp_path, capsys):
+    """Two runs whose own intervals are wide pool into one with every round: the median difference is the servers'
+    (6 ms, under drift of ±40 ms between rounds and a different level per machine), its interval narrower than
+    either run's; each run's own median stays in the table; servers not in every run are left out."""
+    import math
+
+    def rounds(n, base, shift):
+        raw = [base + 40 * math.sin(i / 3) for i in range(n)]
+        return {"raw": raw, "service": [r + 6 + ((i * 7) % 9 - 4) * 2.5 + shift for i, r in enumerate(raw)]}
+
+    a = pair_results(tmp_path / "a" / "results.json", ["raw", "service"], rounds(60, 250, 0))
+    second = rounds(90, 300, 0)
+    second["direct"] = [r - 10 for r in second["raw"]]  # only the second run had direct
+    b = pair_results(tmp_path / "b" / "results.json", ["raw", "service", "direct"], second)
+    out = tmp_path / "pooled.json"
+    assert loadtest_main(["bench", "pool", str(a), str(b), "--out", str(out)]) == 0
+    pooled = json.loads(out.read_text())
+    assert pooled["complete_rounds"] == 150 and pooled["reference"] == "raw" and set(pooled["differences"]) == {
+        "service"}
+    d = pooled["differences"]["service"]
+    assert abs(d["median_ms"] - 6) <= 1.5 and d["ci95_ms"][0] <= d["median_ms"] <= d["ci95_ms"][1]
+    only_a = pool([json.loads(a.read_text())["parts"]["pair"]])["differences"]["service"]
+    assert d["ci95_ms"][1] - d["ci95_ms"][0] <= only_a["ci95_ms"][1] - only_a["ci95_ms"][0]
+    assert [r["rounds"] for r in pooled["runs"]] == [60, 90] and pooled["sources"] == [str(a), str(b)]
+    table = capsys.readouterr().out
+    assert "150 rounds from 2 runs" in table and "| service | +" in table and "direct" not in table
+
+
+def test_pool_refuses_what_it_cannot_pool(tmp_path):
+    """Different workloads, a run without per-round latencies, fewer than two shared servers, one run twice."""
+    a = pair_results(tmp_path / "a.json", ["raw", "service"], {"raw": [250.0], "service": [255.0]})
+    a4 = pair_results(tmp_path / "a4.json", ["raw", "service"], {"raw": [1600.0], "service": [1610.0]}, "a4")
+    other = pair_results(tmp_path / "o.json", ["raw", "direct"], {"raw": [250.0], "direct": [245.0]})
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"parts": {"pair": {"servers": ["raw", "service"], "workload": "id_card"}}}))
+    for paths, words in (([a, a4], "different workloads"), ([a, old], "rounds_ms"), ([a, other], "two servers")):
+        with pytest.raises(SystemExit, match=words):
+            loadtest_main(["bench", "pool", *map(str, paths)])
+    with pytest.raises(SystemExit):  # argparse's error: exit status 2
+        loadtest_main(["bench", "pool", str(a), str(a)])
