@@ -788,9 +788,7 @@ class Bench:
                      f"errors {arm['errors']}")
         differences = {f"{name} − {entry['reference']}": d for name, d in entry["differences"].items()}
         for pair_name, d in {**differences, **entry["between"]}.items():
-            self.log(f"pair {pair_name}: median {d['median_ms']:+} ms "
-                     f"(95 % {d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), mean {d['mean_ms']:+} "
-                     f"({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})")
+            self.log("pair {}: median {}, mean {} (95 % intervals)".format(pair_name, *run.difference_text(d, " ms")))
         self.save()
         (self.out / "report.md").write_text(self.report())  # before the stops: a device call may end during them
 
@@ -1032,19 +1030,17 @@ class Bench:
             lines += ["", f"Side by side, one client ({pair['workload']}, {pair['complete_rounds']} rounds of "
                       f"{len(pair['arms'])} servers in {pair['seconds']:g} s, each server's turn in a random order; "
                       f"KV cache {pair['kv_cache_memory_gb']} GiB each):", "",
-                      f"| server | p50 ms | mean ms | p95 ms | engine p50 ms | errors | − {pair['reference']} per round, "
-                      "median ms (95 % interval) | mean ms (95 % interval) |", "|---|---:|---:|---:|---:|---:|---|---|"]
+                      f"| server | p50 ms | mean ms | p95 ms | engine p50 ms | errors | − {pair['reference']} per "
+                      "round, median ms (95 % interval) | mean ms (95 % interval) |",
+                      "|---|---:|---:|---:|---:|---:|---|---|"]
             for name, a in pair["arms"].items():
                 d = pair["differences"].get(name)
-                diff = (f"{d['median_ms']:+} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}) | {d['mean_ms']:+} "
-                        f"({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})" if d
-                        else "reference | ")
+                diff = " | ".join(run.difference_text(d)) if d else "reference | "
                 lines.append(f"| {name} | {a['p50_ms']} | {a['mean_ms']} | {a['p95_ms']} | "
                              f"{_or_dash(a['engine_p50_ms'])} | {a['errors']} | {diff} |")
             if pair.get("between"):
                 lines += ["", "Per round, between the others: " + "; ".join(
-                    f"{pair_name} median {d['median_ms']:+} ms ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}), "
-                    f"mean {d['mean_ms']:+} ({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})"
+                    "{} median {}, mean {}".format(pair_name, *run.difference_text(d, " ms"))
                     for pair_name, d in pair["between"].items())]
         listeners = {name: part["http_listener"] for name, part in r["parts"].items() if part.get("http_listener")}
         if listeners:

@@ -53,14 +53,11 @@ def report(summary: dict[str, Any], sources: list[str]) -> str:
              f"{len(sources)} runs ({per_run})",
              "", f"| server | − {ref} per round, median ms (95 % interval) | mean ms (95 % interval) | "
              "each run's median ms |", "|---|---|---|---|"]
-    for name, d in summary["differences"].items():
+    for name, d in {**summary["differences"], **summary["between"]}.items():
         each = ", ".join(f"{r['differences'][name]['median_ms']:+}" if name in r["differences"] else "–"
-                         for r in summary["runs"])
-        lines.append(f"| {name} | {d['median_ms']:+} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}) | "
-                     f"{d['mean_ms']:+} ({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+}) | {each} |")
-    for pair_name, d in summary["between"].items():
-        lines.append(f"| {pair_name} | {d['median_ms']:+} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+}) | "
-                     f"{d['mean_ms']:+} ({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+}) | |")
+                         for r in summary["runs"]) if name in summary["differences"] else ""
+        median, mean = run.difference_text(d)
+        lines.append(f"| {name} | {median} | {mean} | {each} |")
     return "\n".join(lines) + "\n"
 
 

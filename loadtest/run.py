@@ -525,6 +525,13 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
     return out
 
 
+def difference_text(d: dict[str, Any], unit: str = "") -> tuple[str, str]:
+    """One paired difference (paired_summary) as report text: its median and its mean, each with its 95 % interval
+    (`unit` after each value, e.g. " ms" where no column header names it)."""
+    return (f"{d['median_ms']:+}{unit} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+})",
+            f"{d['mean_ms']:+}{unit} ({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})")
+
+
 def _round(value: float | None, digits: int = 1) -> float | None:
     return None if value is None else round(value, digits)
 

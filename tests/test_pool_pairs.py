@@ -24,12 +24,12 @@ def test_pooled_rounds_narrow_the_interval_and_keep_each_runs_median(tmp_path, c
     either run's; each run's own median stays in the table; servers not in every run are left out."""
     import math
 
-    def rounds(n, base, shift):
+    def rounds(n, base):
         raw = [base + 40 * math.sin(i / 3) for i in range(n)]
-        return {"raw": raw, "service": [r + 6 + ((i * 7) % 9 - 4) * 2.5 + shift for i, r in enumerate(raw)]}
+        return {"raw": raw, "service": [r + 6 + ((i * 7) % 9 - 4) * 2.5 for i, r in enumerate(raw)]}
 
-    a = pair_results(tmp_path / "a" / "results.json", ["raw", "service"], rounds(60, 250, 0))
-    second = rounds(90, 300, 0)
+    a = pair_results(tmp_path / "a" / "results.json", ["raw", "service"], rounds(60, 250))
+    second = rounds(90, 300)
     second["direct"] = [r - 10 for r in second["raw"]]  # only the second run had direct
     b = pair_results(tmp_path / "b" / "results.json", ["raw", "service", "direct"], second)
     out = tmp_path / "pooled.json"
