@@ -518,11 +518,19 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
                 "mean_ci95_ms": [_round(float(means[low])), _round(float(means[high]))]}
 
     if complete:
-        for i, b in enumerate(names[1:], start=1):
-            out["differences"][b] = difference(names[0], b)
-            for a in names[1:i]:
-                out["between"][f"{b} − {a}"] = difference(a, b)
+        for label, a, b in paired_labels(names):
+            out["differences" if a == names[0] else "between"][label] = difference(a, b)
     return out
+
+
+def paired_labels(names: list[str]) -> list[tuple[str, str, str]]:
+    """(label, a, b) of each difference b − a that paired_summary reports, in its order: each arm after the first
+    against the first (labelled by the arm), then each against the arms between (labelled "b − a")."""
+    labels = []
+    for i, b in enumerate(names[1:], start=1):
+        labels.append((b, names[0], b))
+        labels += [(f"{b} − {a}", a, b) for a in names[1:i]]
+    return labels
 
 
 def difference_text(d: dict[str, Any], unit: str = "") -> tuple[str, str]:

@@ -44,6 +44,30 @@ def test_pooled_rounds_narrow_the_interval_and_keep_each_runs_median(tmp_path, c
     assert [r["rounds"] for r in pooled["runs"]] == [60, 90] and pooled["sources"] == [str(a), str(b)]
     table = capsys.readouterr().out
     assert "150 rounds from 2 runs" in table and "| service | +" in table and "direct" not in table
+    assert not pooled["across_runs"]["service"]["runs_disagree"] and "disagree" not in table
+
+
+def test_runs_that_disagree_are_named_and_their_spread_counted(tmp_path, capsys):
+    """Three runs whose differences sit 15 ms apart, each pinned to ±2 ms by its own rounds: the pooled rounds give a
+    narrow interval around the middle one, the runs resampled too give one that spans the runs, and the report says
+    the runs disagree. The per-difference labels cover the pairs between non-reference servers as well."""
+    paths = []
+    for k, offset in enumerate((3.0, 18.0, 33.0)):
+        raw = [250 + 30 * ((i * 37) % 11 - 5) / 5 for i in range(80)]
+        paths.append(pair_results(tmp_path / f"r{k}.json", ["raw", "service", "direct"], {
+            "raw": raw, "service": [r + offset + ((i * 7) % 5 - 2) for i, r in enumerate(raw)],
+            "direct": [r + 1 + ((i * 3) % 5 - 2) for i, r in enumerate(raw)]}))
+    out = tmp_path / "pooled.json"
+    assert loadtest_main(["bench", "pool", *map(str, paths), "--out", str(out)]) == 0
+    pooled = json.loads(out.read_text())
+    rounds_only, across = pooled["differences"]["service"]["ci95_ms"], pooled["across_runs"]["service"]["ci95_ms"]
+    assert rounds_only[1] - rounds_only[0] < 5 and across[0] <= 5 and across[1] >= 31
+    assert pooled["across_runs"]["service"]["runs_disagree"] and not pooled["across_runs"]["direct"]["runs_disagree"]
+    assert set(pooled["across_runs"]) == {"service", "direct", "direct − service"}
+    assert [round(r["differences"]["service"]["median_ms"]) for r in pooled["runs"]] == [3, 18, 33]
+    table = capsys.readouterr().out
+    assert "The runs disagree on service, direct − service:" in table
+    assert "+3.0 (+" in table and "+33.0 (+" in table  # each run's median with its own interval
 
 
 def test_pool_refuses_what_it_cannot_pool(tmp_path):
