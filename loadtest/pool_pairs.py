@@ -45,10 +45,15 @@ def pool(pairs: list[dict[str, Any]], names: list[str] | None = None, resamples:
     common = [n for n in (names or pairs[0]["servers"]) if all(n in p["rounds_ms"] for p in pairs)]
     if len(common) < 2:
         raise SystemExit(f"fewer than two servers in every run: {[p['servers'] for p in pairs]}")
-    per_run = [[{name: run.Sample(0.0, p["rounds_ms"][name][i] / 1000, 200, True) for name in common}
-                for i in range(len(p["rounds_ms"][common[0]]))] for p in pairs]
+    per_run = []
+    for p in pairs:
+        count = len(p["rounds_ms"][common[0]])
+        engine = {name: (p.get("engine_rounds_ms") or {}).get(name) or [None] * count for name in common}
+        per_run.append([{name: run.Sample(0.0, p["rounds_ms"][name][i] / 1000, 200, True, engine_ms=engine[name][i])
+                         for name in common} for i in range(count)])
     summary = run.paired_summary([r for rounds in per_run for r in rounds], common, resamples, seed)
-    summary.pop("rounds_ms")
+    for key in ("rounds_ms", "engine_rounds_ms"):
+        summary.pop(key, None)
     summary["workload"] = workloads.pop()
     summary["runs"] = []
     for rounds in per_run:
@@ -101,6 +106,10 @@ def report(summary: dict[str, Any], sources: list[str]) -> str:
                      f"{across['ci95_ms'][1]:+}) | {each} |")
         if across["runs_disagree"]:
             split.append(name)
+    if summary.get("outside_engine"):  # runs that kept each round's engine time (twelfth session on)
+        lines += ["", "Per round, the time outside each server's own engine: " + "; ".join(
+            "{} median {}, mean {}".format(name, *run.difference_text(d, " ms"))
+            for name, d in summary["outside_engine"].items())]
     if split:
         lines += ["", f"The runs disagree on {', '.join(split)}: two runs' own intervals do not overlap, so the "
                   "machines or calls differed by more than their rounds' noise. The pooled interval leaves that out; "

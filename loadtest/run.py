@@ -78,6 +78,7 @@ class Answer(NamedTuple):
     output_tokens: int | None = None
     engine_ms: float | None = None  # engine time the server reports (our API: timings_ms.engine)
     stages_ms: dict[str, float] | None = None  # our API: the rest of timings_ms (queue, preprocess, first_token…)
+    handler_ms: float | None = None  # our API: timings_ms.total, the API handler's own time, engine call included
 
 
 class Target(Protocol):
@@ -126,7 +127,7 @@ class OCRTarget:
         if status == 200:
             timings = data.get("timings_ms") or {}
             return Answer(True, None, (data.get("usage") or {}).get("output_tokens"), timings.get("engine"),
-                          {k: v for k, v in timings.items() if k in BREAKDOWN_STAGES})
+                          {k: v for k, v in timings.items() if k in BREAKDOWN_STAGES}, timings.get("total"))
         error = (data.get("error") or {}).get("code")
         return Answer(False, error or f"http_{status}")
 
@@ -215,6 +216,7 @@ class Sample:
     output_tokens: int | None = None
     engine_ms: float | None = None  # the server's own engine time (our API reports it in timings_ms)
     stages_ms: dict[str, float] | None = None
+    handler_ms: float | None = None  # the API handler's own time (our API's timings_ms.total)
 
     @property
     def end_s(self) -> float:
@@ -250,7 +252,7 @@ async def _send(session, url: str, target: Target, request: Request, t0: float, 
         latency = time.perf_counter() - start
         answer = target.check(status, payload)
         return Sample(start - t0, latency, status, answer.ok, answer.error, answer.output_tokens, answer.engine_ms,
-                      answer.stages_ms)
+                      answer.stages_ms, answer.handler_ms)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # connection refused/reset, client timeout: an error of this request
@@ -488,11 +490,14 @@ async def run_paired(arms: list[Arm], duration_s: float, timeout_s: float = 900.
 
 def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples: int = 2000, seed: int = 0
                    ) -> dict[str, Any]:
-    """Per arm: latency p50/mean/p95 over the rounds every arm answered, and the engine's own p50 where the server
-    reports it; per arm after the first (the reference): the median and mean of its per-round latency minus the
+    """Per arm: latency p50/mean/p95 over the rounds every arm answered, and where the server reports its timings
+    (our API) the p50s of the layers a request crosses: the engine's own time, the hop to the engine and back
+    (`queue`), the API handler's whole time, and what lay outside the handler (the HTTP front end: proxy, ASGI,
+    connection); per arm after the first (the reference): the median and mean of its per-round latency minus the
     reference's, with bootstrap 95 % intervals of that median and mean (from the same resamples); the same for
-    every other pair of arms (`between`, "b − a" for a named before b); and each arm's latency per complete round,
-    for later analysis."""
+    every other pair of arms (`between`, "b − a" for a named before b); between the arms that report their engine
+    time, the same for the time outside the engine (`outside_engine`); and each arm's latency (and engine time) per
+    complete round, for later analysis."""
     complete = [r for r in rounds if all(r[name].ok for name in names)]
     out: dict[str, Any] = {"rounds": len(rounds), "complete_rounds": len(complete), "reference": names[0],
                            "arms": {}, "differences": {}, "between": {},
@@ -500,16 +505,21 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
                                          for name in names}}
     for name in names:
         latencies = out["rounds_ms"][name]
-        engine = [r[name].engine_ms for r in complete if r[name].engine_ms is not None]
+        samples = [r[name] for r in complete]
+        engine = [s.engine_ms for s in samples if s.engine_ms is not None]
+        hop = [s.stages_ms["queue"] for s in samples if s.stages_ms and "queue" in s.stages_ms]
+        handler = [s.handler_ms for s in samples if s.handler_ms is not None]
+        outside = [s.latency_s * 1000 - s.handler_ms for s in samples if s.handler_ms is not None]
         out["arms"][name] = {
             "errors": sum(not r[name].ok for r in rounds),
             "p50_ms": _round(percentile(latencies, 50)),
             "mean_ms": _round(float(np.mean(latencies)) if latencies else None),
-            "p95_ms": _round(percentile(latencies, 95)), "engine_p50_ms": _round(percentile(engine, 50))}
+            "p95_ms": _round(percentile(latencies, 95)), "engine_p50_ms": _round(percentile(engine, 50)),
+            "engine_hop_p50_ms": _round(percentile(hop, 50)), "handler_p50_ms": _round(percentile(handler, 50)),
+            "outside_handler_p50_ms": _round(percentile(outside, 50))}
     rng = random.Random(seed)
 
-    def difference(a: str, b: str) -> dict[str, Any]:
-        deltas = np.array([(r[b].latency_s - r[a].latency_s) * 1000 for r in complete])
+    def interval(deltas: np.ndarray) -> dict[str, Any]:
         picks = np.array([[rng.randrange(len(deltas)) for _ in deltas] for _ in range(resamples)])
         medians, means = np.sort(np.median(deltas[picks], axis=1)), np.sort(deltas[picks].mean(axis=1))
         low, high = int(0.025 * resamples), int(0.975 * resamples) - 1
@@ -519,7 +529,17 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
 
     if complete:
         for label, a, b in paired_labels(names):
-            out["differences" if a == names[0] else "between"][label] = difference(a, b)
+            deltas = np.array([(r[b].latency_s - r[a].latency_s) * 1000 for r in complete])
+            out["differences" if a == names[0] else "between"][label] = interval(deltas)
+        # each server runs its own engine, and two engines on one GPU differ by a few ms; the time outside the
+        # engine, compared per round, is what the layers in front of it cost without that difference
+        timed = [name for name in names if all(r[name].engine_ms is not None for r in complete)]
+        out["engine_rounds_ms"] = {name: [round(r[name].engine_ms, 2) for r in complete] for name in timed}
+        out["outside_engine"] = {}
+        for _, a, b in paired_labels(timed):
+            deltas = np.array([(r[b].latency_s - r[a].latency_s) * 1000 - (r[b].engine_ms - r[a].engine_ms)
+                               for r in complete])
+            out["outside_engine"][f"{b} − {a}"] = interval(deltas)
     return out
 
 

@@ -453,7 +453,8 @@ def test_a_run_over_its_budget_refuses_before_starting_anything(monkeypatch, tmp
 
 @pytest.fixture()
 def two_ocr_servers():
-    """Two HTTP servers answering like our API (timings_ms.engine), each recording which page it got and when."""
+    """Two HTTP servers answering like our API (timings_ms: engine, queue, total), each recording which page it got
+    and when; each takes 12 ms, of which its "handler" claims engine + 2."""
     import hashlib
     import time
 
@@ -466,9 +467,9 @@ def two_ocr_servers():
             def do_POST(self):  # noqa: N802
                 start = time.perf_counter()
                 page = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["image"]
-                time.sleep(0.005)
+                time.sleep(0.012)
                 body = json.dumps({"text": "x", "usage": {"output_tokens": 3},
-                                   "timings_ms": {"engine": engine_ms, "queue": 1.0}}).encode()
+                                   "timings_ms": {"engine": engine_ms, "queue": 1.0, "total": engine_ms + 2}}).encode()
                 # done before the answer leaves: the client cannot send its next request earlier than this
                 seen.append((name, hashlib.sha256(page.encode()).hexdigest(), start, time.perf_counter()))
                 self.send_response(200)
@@ -511,6 +512,28 @@ def test_paired_rounds_send_one_page_to_every_server_in_a_new_order_one_request_
     assert all(later[2] >= earlier[3] for earlier, later in zip(seen, seen[1:]))  # never two in flight
     summary = run.paired_summary(rounds, ["a", "b"])
     assert summary["arms"]["a"]["engine_p50_ms"] == 5.0 and summary["arms"]["b"]["engine_p50_ms"] == 7.0
+    # the layers: the hop to the engine, the handler's whole time, and what the client saw outside the handler
+    assert summary["arms"]["a"]["engine_hop_p50_ms"] == 1.0 and summary["arms"]["b"]["handler_p50_ms"] == 9.0
+    for name, handler_ms in (("a", 7.0), ("b", 9.0)):  # each answer takes ≥ 12 ms: the rest is outside its handler
+        arm = summary["arms"][name]
+        assert arm["handler_p50_ms"] == handler_ms and arm["outside_handler_p50_ms"] >= 12 - handler_ms - 0.1
+
+
+def test_paired_summary_compares_the_time_outside_each_engine():
+    """Two servers with their own engines: b's engine is 5 ms slower per round and its whole answer 6 ms slower, so
+    its layers in front of the engine cost 1 ms more; the per-round engine times are kept; a server without an
+    engine time (raw) is left out of that comparison."""
+    rounds = []
+    for i in range(60):
+        base = 250 + 40 * ((i * 37) % 11 - 5) / 5
+        rounds.append({"raw": run.Sample(0.0, base / 1000, 200, True),
+                       "a": run.Sample(0.0, (base + 10) / 1000, 200, True, engine_ms=base - 2),
+                       "b": run.Sample(0.0, (base + 16) / 1000, 200, True, engine_ms=base + 3)})
+    s = run.paired_summary(rounds, ["raw", "a", "b"])
+    assert set(s["outside_engine"]) == {"b − a"} and set(s["engine_rounds_ms"]) == {"a", "b"}
+    d = s["outside_engine"]["b − a"]
+    assert d["median_ms"] == 1.0 and d["ci95_ms"] == [1.0, 1.0] and s["between"]["b − a"]["median_ms"] == 6.0
+    assert len(s["engine_rounds_ms"]["b"]) == 60
 
 
 def test_paired_summary_keeps_the_servers_difference_and_drops_the_shared_drift():
@@ -667,6 +690,9 @@ def test_pair_runs_raw_service_and_direct_at_once_on_real_vllm_cpu_engines(tmp_p
     assert pair["servers"] == ["raw", "service", "direct"] and pair["complete_rounds"] >= 2
     assert all(arm["errors"] == 0 and arm["p50_ms"] > 0 for arm in pair["arms"].values()), pair["arms"]
     assert pair["arms"]["service"]["engine_p50_ms"] > 0 and pair["arms"]["raw"]["engine_p50_ms"] is None
+    layers = ("engine_hop_p50_ms", "handler_p50_ms", "outside_handler_p50_ms")
+    assert all(pair["arms"][name][key] > 0 for name in ("service", "direct") for key in layers), pair["arms"]
+    assert all(pair["arms"]["raw"][key] is None for key in layers)
     assert set(pair["differences"]) == {"service", "direct"} and set(pair["between"]) == {"direct − service"}
     assert all(len(v) == pair["complete_rounds"] for v in pair["rounds_ms"].values())
     assert "Side by side, one client" in (out / "report.md").read_text()

@@ -82,3 +82,22 @@ def test_pool_refuses_what_it_cannot_pool(tmp_path):
             loadtest_main(["bench", "pool", *map(str, paths)])
     with pytest.raises(SystemExit):  # argparse's error: exit status 2
         loadtest_main(["bench", "pool", str(a), str(a)])
+
+
+def test_pool_compares_the_time_outside_the_engines_when_runs_kept_it(tmp_path, capsys):
+    """Runs that kept each round's engine time pool that comparison too: b's layers in front of its engine cost 2 ms
+    more than a's in both runs, whatever their engines took."""
+    paths = []
+    for k, engine_gap in enumerate((4.0, -3.0)):
+        raw = [250 + 30 * ((i * 37) % 11 - 5) / 5 for i in range(40)]
+        path = pair_results(tmp_path / f"r{k}.json", ["raw", "a", "b"], {
+            "raw": raw, "a": [r + 10 for r in raw], "b": [r + 12 + engine_gap for r in raw]})
+        data = json.loads(path.read_text())
+        data["parts"]["pair"]["engine_rounds_ms"] = {"a": [r - 5 for r in raw], "b": [r - 5 + engine_gap for r in raw]}
+        path.write_text(json.dumps(data))
+        paths.append(path)
+    out = tmp_path / "pooled.json"
+    assert loadtest_main(["bench", "pool", *map(str, paths), "--out", str(out)]) == 0
+    pooled = json.loads(out.read_text())
+    assert pooled["outside_engine"]["b − a"]["median_ms"] == 2.0 and "engine_rounds_ms" not in pooled
+    assert "outside each server's own engine: b − a median +2.0" in capsys.readouterr().out
