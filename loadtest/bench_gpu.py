@@ -1121,6 +1121,9 @@ def breakdown(step: dict[str, Any]) -> str:
     if step.get("engine_ms_p50") is not None:
         stages = step.get("stages_ms_p50") or {}
         parts = [f"engine {step['engine_ms_p50']:g}"] + [f"{k} {v:g}" for k, v in stages.items() if v is not None]
+        parts += [f"{name} {step[key]:g}" for name, key in (("handler", "handler_ms_p50"),
+                                                             ("outside handler", "outside_handler_ms_p50"))
+                  if step.get(key) is not None]
         return "p50: " + ", ".join(parts)
     means = step.get("vllm_mean_ms") or {}
     if means:

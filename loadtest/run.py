@@ -399,6 +399,10 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
         # and where that time went (p50 per stage: queue before the engine, preprocess and first token inside it)
         "stages_ms_p50": {stage: r(percentile(values, 50)) for stage in BREAKDOWN_STAGES
                           if (values := [s.stages_ms[stage] for s in ok if s.stages_ms and stage in s.stages_ms])},
+        # the API handler's whole time and what lay outside it (the HTTP front end: proxy, connection, waiting there)
+        "handler_ms_p50": r(percentile([s.handler_ms for s in ok if s.handler_ms is not None], 50)),
+        "outside_handler_ms_p50": r(percentile([s.latency_s * 1000 - s.handler_ms for s in ok
+                                                if s.handler_ms is not None], 50)),
         "error_rate": r(errors / len(counted), 4) if counted else None,
         "rate_429": r(limited / len(counted), 4) if counted else None,
         "slo_ms": slo_ms,

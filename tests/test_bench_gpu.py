@@ -71,6 +71,8 @@ def test_vllm_histograms_give_mean_ms_per_request_between_scrapes(metrics_server
 def test_breakdown_names_where_the_time_went():
     service = {"engine_ms_p50": 300.0, "stages_ms_p50": {"queue": 2.0, "preprocess": 30.5, "first_token": 120.0}}
     assert bench_gpu.breakdown(service) == "p50: engine 300, queue 2, preprocess 30.5, first_token 120"
+    service.update(handler_ms_p50=305.5, outside_handler_ms_p50=4.0)
+    assert bench_gpu.breakdown(service).endswith("first_token 120, handler 305.5, outside handler 4")
     raw = {"engine_ms_p50": None, "vllm_mean_ms": {"e2e": 250.0, "queue": 1.5}}
     assert bench_gpu.breakdown(raw) == "vLLM mean: e2e 250, queue 1.5"
     assert bench_gpu.breakdown({}) == "-"

@@ -52,6 +52,8 @@ def test_headless_runner_writes_sane_summary(embedded_url, tmp_path):
         assert step["error_rate"] == 0 and step["rate_429"] == 0
         assert step["goodput"] == 1.0  # every answer succeeded within the (generous) SLO
         assert step["output_tokens_per_s"] > 0  # the engine read text from the rendered pages
+        # our API's own timing splits each answer: its handler's time, and the HTTP front end's outside it
+        assert 0 < step["handler_ms_p50"] < step["latency_ms_max"] and step["outside_handler_ms_p50"] > 0
     with (out / "summary.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [float(r["docs_per_s"]) for r in rows] == [s["docs_per_s"] for s in steps]
@@ -88,6 +90,15 @@ def test_goodput_and_error_rates_count_the_window():
     assert summary["rate_429"] == 0.25 and summary["error_rate"] == 0.5
     assert summary["goodput"] == 0.25  # one of four answers succeeded within 1 s
     assert summary["error_codes"] == {"rate_limited": 1, "internal_error": 1}
+    assert summary["handler_ms_p50"] is None and summary["outside_handler_ms_p50"] is None  # no API timings
+
+
+def test_the_handler_and_what_lay_outside_it_split_each_answer():
+    """Answers of 100, 200 and 300 ms whose API handler took 90, 170 and 280 ms: p50s of 170 and 20 ms."""
+    samples = [run.Sample(0.1 * i, ms / 1000, 200, True, handler_ms=handler)
+               for i, (ms, handler) in enumerate(((100, 90), (200, 170), (300, 280)))]
+    summary = run.StepResult("t", "closed", 1, duration_s=4.0, warmup_s=0.0, samples=samples).summary(None)
+    assert (summary["handler_ms_p50"], summary["outside_handler_ms_p50"]) == (170.0, 20.0)
 
 
 def test_littles_law_throughput_does_not_depend_on_the_window_edges():
