@@ -75,7 +75,8 @@ class Settings(BaseSettings):
         "open", description="When Redis fails: `open` admits via a local bucket, `closed` answers 503."
     )
     redis_timeout_ms: int = Field(
-        50, ge=1, description="Socket timeout of limiter calls to Redis; a dead Redis costs at most this."
+        50, ge=1, description="Socket timeout of limiter calls to Redis; a dead Redis costs about this (a dropped "
+        "connection is retried once on a new one, which a dead Redis refuses at once; timeouts are not retried)."
     )
     rate_limit_key_prefix: str = Field(
         "ocr:rl:", description="Prefix of the Redis bucket keys (`<prefix>{tenant}`; the hash tag is Cluster-safe)."

@@ -182,6 +182,27 @@ async def test_redis_killed_fail_open_uses_the_replica_share_and_recovers(redis_
         await limiter.close()
 
 
+async def test_a_restart_leaves_no_stale_pooled_connection_to_fail_later_requests(redis_server):
+    """Requests in flight together leave several connections in the client's pool. A Redis restart makes each of
+    them stale, and each would fail once on its next use. Without a retry, the first requests after recovery failed
+    on them, and the limiter flapped back to the local bucket (CI, 2026-12-01:
+    `test_redis_killed_under_steady_load_no_5xx_and_back_on_redis` got the replica share after recovery). One retry
+    on a fresh connection keeps them on the shared bucket."""
+    errors: list[BaseException] = []
+    limiter = FailoverLimiter(RedisTokenBucket.from_url(redis_server.url, timeout_s=0.5), fail_mode="open",
+                              replicas=2, probe_interval_s=0.2, on_backend_error=errors.append)
+    try:
+        first = await asyncio.gather(*(limiter.acquire("acme", 1, 100.0, 1000) for _ in range(8)))
+        assert all(d.limit == 1000 for d in first) and not errors
+        redis_server.kill()
+        redis_server.start()  # same port, before any request notices the outage
+        after = await asyncio.gather(*(limiter.acquire("acme", 1, 100.0, 1000) for _ in range(8)))
+        assert [type(e).__name__ for e in errors] == [] and not limiter.degraded
+        assert all(d.limit == 1000 and d.allowed for d in after)  # the shared bucket, not the replica's share
+    finally:
+        await limiter.close()
+
+
 async def test_redis_killed_fail_closed_answers_503_then_recovers(redis_server):
     limiter = FailoverLimiter(RedisTokenBucket.from_url(redis_server.url, timeout_s=0.05), fail_mode="closed",
                               probe_interval_s=0.5)

@@ -124,14 +124,21 @@ def bucket_key(prefix: str, tenant: str) -> str:
 
 
 def make_redis_client(url: str, timeout_s: float):
-    """An asyncio Redis client that fails fast: short connect/read timeouts and no retries (the failover limiter
-    decides what a failure means)."""
+    """An asyncio Redis client that fails fast: short connect/read timeouts, and the failover limiter decides what a
+    failure means. One exception: a connection error is retried once, at once, on a new connection. A Redis restart
+    leaves every idle pooled connection stale, and each would otherwise fail its next request once, flapping the
+    limiter back to the local bucket after Redis is back. While Redis is down, the retry's connect is refused as
+    fast as the first (a connect timeout is a timeout, not retried). Timeouts are not retried: the script may have
+    run, and a slow Redis should not be asked twice. (A connection lost after the script ran charges that request
+    twice; rare, and the lesser harm.)"""
     import redis.asyncio as redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                                health_check_interval=0)
 
 
 class RedisTokenBucket:
