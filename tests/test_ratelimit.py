@@ -203,6 +203,39 @@ async def test_a_restart_leaves_no_stale_pooled_connection_to_fail_later_request
         await limiter.close()
 
 
+async def test_back_on_redis_logs_how_long_it_was_away_never_a_negative_time(caplog):
+    """A request that waits on Redis while another fails: the failure starts the outage after the waiting request's
+    own start. Its success then ends the outage, and the log gives the time from the failure to now (0.5 s), not
+    the negative difference from its own start (the CI log of 2026-12-01 said "back after -0.0s")."""
+    from service.admission.ratelimit import Decision
+
+    clock = [100.0]
+    release = asyncio.Event()
+
+    class Primary:
+        async def acquire(self, tenant, cost, rate, burst):
+            if tenant == "fails":
+                raise ConnectionError("stale connection")
+            await release.wait()
+            return Decision(True, burst, burst - cost, 0.0, 0.0)
+
+        async def close(self):
+            pass
+
+    limiter = FailoverLimiter(Primary(), clock=lambda: clock[0])
+    caplog.set_level(logging.WARNING, logger="service.admission.ratelimit")
+    waiting = asyncio.create_task(limiter.acquire("waits", 1, 1.0, 10))  # starts at 100.0
+    await asyncio.sleep(0)
+    clock[0] = 101.0
+    await limiter.acquire("fails", 1, 1.0, 10)  # the outage starts at 101.0
+    assert limiter.degraded
+    clock[0] = 101.5
+    release.set()
+    assert (await waiting).allowed and not limiter.degraded
+    assert [r.getMessage() for r in caplog.records if "is back" in r.getMessage()] == [
+        "rate limiter: Redis is back after 0.5s; shared buckets in use again"]
+
+
 async def test_redis_killed_fail_closed_answers_503_then_recovers(redis_server):
     limiter = FailoverLimiter(RedisTokenBucket.from_url(redis_server.url, timeout_s=0.05), fail_mode="closed",
                               probe_interval_s=0.5)

@@ -209,9 +209,9 @@ class FailoverLimiter:
         except Exception as exc:  # any backend failure (connection, timeout, OOM, script error) is handled alike
             self._record_failure(exc, now)
             return self._without_backend(tenant, cost, rate, burst, now)
-        if self.degraded:
+        if self.degraded:  # the clock read again: a request that failed while this one waited set the start later
             log.warning("rate limiter: Redis is back after %.1fs; shared buckets in use again",
-                        now - self._degraded_since)
+                        max(0.0, self._clock() - self._degraded_since))
             self._degraded_since = None
         return decision
 
