@@ -12,9 +12,7 @@ from loadtest.pool_pairs import pool
 
 def pair_results(path, servers, rounds_ms, workload="id_card"):
     path.parent.mkdir(parents=True, exist_ok=True)
-    diffs = {name: {"median_ms": 0.0} for name in servers[1:]}
-    path.write_text(json.dumps({"parts": {"pair": {"servers": servers, "workload": workload, "differences": diffs,
-                                                    "rounds_ms": rounds_ms}}}))
+    path.write_text(json.dumps({"parts": {"pair": {"servers": servers, "workload": workload, "rounds_ms": rounds_ms}}}))
     return path
 
 

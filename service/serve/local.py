@@ -29,11 +29,13 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 # longer (6 -> 32 s with the mock engine), so it is 0 here as in the Helm chart.
 SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 # RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in): HAProxy, which ray[serve] ships, takes the client's HTTP in place of Serve's
-# Python proxy actor and forwards it to the ingress replicas' own ports. With the mock engine on a 2-CPU VM it
-# answered 4.0-5.0 ms sooner at p50; on the 16-core H200 machine it made no measurable difference (docs/BENCHMARKS.md,
-# tenth and eleventh sessions), so it stays opt-in. Its stats page and Prometheus exporter bind fixed ports (8404,
-# 9101) on every interface; here each gets a free port unless the environment names one, so two services on one
-# machine do not collide.
+# Python proxy actor and forwards it to the ingress replicas' own ports, so the ingress no longer fetches the request
+# body back from the proxy. On a 2-CPU VM it saved 5.8 ms per ID card outside the engine; on the H200 its whole
+# latency did not differ measurably, though its time outside the engine was 8 ms less by p50s (docs/BENCHMARKS.md,
+# eleventh and twelfth sessions). It stays opt-in until a GPU run measures that per round, and because its own
+# errors (no ingress replica up) answer 500 where the proxy answers 503. Its stats page and Prometheus exporter bind
+# fixed ports (8404, 9101) on every interface; here each gets a free port unless the environment names one, so two
+# services on one machine do not collide.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
