@@ -263,21 +263,30 @@ def test_redis_modes(chart_renders):
     assert redis_env(chart_renders["minimal"]) is None
 
 
-def test_serve_throughput_mode_is_set_on_every_ray_container():
-    """Every Ray process reads RAY_SERVE_THROUGHPUT_OPTIMIZED when it starts: head and workers must agree."""
+def test_serve_mode_and_front_end_are_set_on_every_ray_container():
+    """Every Ray process reads the Serve mode and front-end variables when it starts: head and workers must agree.
+    Where the front ends then run is checked against a real Ray cluster in tests/test_helm_front_end.py."""
     def modes(objects):
         cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
         pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
                                                                  for g in cluster["workerGroupSpecs"]]
-        return [{e["name"]: e["value"] for e in pod["containers"][0]["env"] if e["name"] in SERVE_MODE_ENV}
+        return [{e["name"]: e["value"] for e in pod["containers"][0]["env"] if e["name"].startswith("RAY_SERVE_")}
                 for pod in pods]
 
     from service.serve.local import SERVE_MODE_ENV
 
-    # the default, as `ocr-serve serve` has it: the same variables, the same values, on the head and the workers
-    assert modes(rendered_objects(render_chart())) == [SERVE_MODE_ENV] * 2
+    # the default: the throughput-optimized mode as `ocr-serve serve` has it, with HAProxy as the front end, which
+    # keeps Ray's hold on a stopping ingress replica (HAProxy is the balancer that hold is for)
+    haproxy = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": SERVE_MODE_ENV["RAY_SERVE_THROUGHPUT_OPTIMIZED"],
+               "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert modes(rendered_objects(render_chart())) == [haproxy] * 2
+    # the proxy actor: `ocr-serve serve`'s variables, and direct ingress off so that the proxy runs on every pod
+    assert modes(rendered_objects(render_chart({"rayServeHaProxy": False}))) == [
+        {**SERVE_MODE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}] * 2
+    assert modes(rendered_objects(render_chart({"rayServeHaProxy": False, "rayServeThroughputOptimized": False}))) \
+        == [{**SERVE_MODE_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}] * 2
     assert modes(rendered_objects(render_chart({"rayServeThroughputOptimized": False}))) == [
-        {**SERVE_MODE_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}] * 2
+        {**haproxy, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}] * 2  # HAProxy turns direct ingress on by itself
 
 
 def test_monitoring_objects(chart_renders):

@@ -25,17 +25,17 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 # mode (the Helm chart: values `rayServeThroughputOptimized`).
 # The mode also has each ingress replica serve HTTP on a port of its own ("direct ingress", for load balancers that
 # target replicas) and hold a stopping ingress replica open 30 s so such a balancer can deregister it. Our traffic
-# goes through the Serve proxy, and the CLI drains in-flight requests itself: the wait only made every stop 26 s
-# longer (6 -> 32 s with the mock engine), so it is 0 here as in the Helm chart.
+# goes through the Serve proxy (on one node; in a cluster the mode leaves the proxy on the head only, which the Helm
+# chart handles), and the CLI drains in-flight requests itself: the wait only made every stop 26 s longer (6 -> 32 s
+# with the mock engine), so it is 0 here, as in the Helm chart when it runs the proxy actor.
 SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
-# RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in): HAProxy, which ray[serve] ships, takes the client's HTTP in place of Serve's
-# Python proxy actor and forwards it to the ingress replicas' own ports, so the ingress no longer fetches the request
-# body back from the proxy. On a 2-CPU VM it saved 5.8 ms per ID card outside the engine; on the H200 its whole
-# latency did not differ measurably, though its time outside the engine was 8 ms less by p50s (docs/BENCHMARKS.md,
-# eleventh and twelfth sessions). It stays opt-in until a GPU run measures that per round, and because its own
-# errors (no ingress replica up) answer 500 where the proxy answers 503. Its stats page and Prometheus exporter bind
-# fixed ports (8404, 9101) on every interface; here each gets a free port unless the environment names one, so two
-# services on one machine do not collide.
+# RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in here, the Helm chart's default): HAProxy, which ray[serve] ships, takes the
+# client's HTTP in place of Serve's Python proxy actor and forwards it to the ingress replicas' own ports, so the
+# ingress no longer fetches the request body back from the proxy. On the H200 it took 7.5 ms per ID card off the
+# time outside the engine (docs/BENCHMARKS.md, thirteenth session). Here it stays opt-in: beside a laptop's CPU
+# engine those milliseconds do not matter, its errors without an ingress replica answer 500 where the proxy answers
+# 503, and its stats page and Prometheus exporter listen on every interface. Those bind fixed ports (8404, 9101);
+# here each gets a free port unless the environment names one, so two services on one machine do not collide.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 

@@ -131,10 +131,21 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   value: "0"
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
   value: {{ ternary "1" "0" .Values.rayServeThroughputOptimized | quote }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" .Values.rayServeHaProxy | quote }}
+{{- if not .Values.rayServeHaProxy }}
+{{- if .Values.rayServeThroughputOptimized }}
+# the throughput-optimized mode turns direct ingress on, and with it and no HAProxy Serve runs its proxy on the head
+# pod only: the engine pods would have nothing on port 8000 (their probes, KubeRay's Serve service)
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: "0"
+{{- end }}
 # traffic reaches ingress replicas through the Serve proxy, not their direct-ingress ports: no 30 s hold for a
-# balancer to deregister them on every scale-down and rollout (in-flight requests are still drained)
+# balancer to deregister them on every scale-down and rollout (in-flight requests are still drained). HAProxy is such
+# a balancer, so with it Ray's hold stays.
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "0"
+{{- end }}
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: TRANSFORMERS_OFFLINE
