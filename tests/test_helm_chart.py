@@ -317,6 +317,15 @@ def test_network_policy_limits_engine_egress(chart_renders):
     assert all("ipBlock" not in d for d in destinations)  # no internet, no model hubs
     assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "ocr-service",
                                             "app.kubernetes.io/instance": "ocr"}}} in destinations
+    # the Serve port from outside the release: the API side, and the KubeRay operator, which checks each pod's front end
+    sources = [(source, [p["port"] for p in rule.get("ports", [])]) for rule in policy["ingress"]
+               for source in rule["from"]]
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}}}
+    assert (operator, [8000]) in sources
+    narrowed = find(rendered_objects(render_chart({"networkPolicy": {"apiNamespaceSelector": {
+        "matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}})), "NetworkPolicy", "-engine")[0]["spec"]
+    assert (operator, [8000]) in [(source, [p["port"] for p in rule.get("ports", [])])
+                                  for rule in narrowed["ingress"] for source in rule["from"]]
 
 
 def test_names_come_from_the_release():
