@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import tempfile
 import pytest
 import yaml
 
+from loadtest.common import free_port
 from tests.fixtures.helm import find, render_chart, rendered_objects
 
 pytestmark = pytest.mark.ray
@@ -59,12 +59,6 @@ finally:  # no serve.shutdown(): its controller waits 30 s for the second HAProx
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _chart_ray_env(values: dict) -> tuple[dict[str, str], str]:
     """The RAY_SERVE_* variables of the rendered chart's engine (worker) pods, and the Serve config's proxy location."""
     objects = rendered_objects(render_chart(values))
@@ -82,10 +76,10 @@ def _front_ends(ray_env: dict[str, str], proxy_location: str, *, healthy: bool =
     # HAProxy's stats and exporter ports are fixed (8404, 9101) unless named; free ones keep this test off them
     # and its files go to a short directory of this test (its admin socket's path must stay under 108 bytes)
     with tempfile.TemporaryDirectory(prefix="hap-", dir="/tmp") as files:
-        env.update(RAY_SERVE_HAPROXY_STATS_PORT=str(_free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(_free_port()),
+        env.update(RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()),
                    RAY_SERVE_HAPROXY_CONFIG_FILE_LOC=f"{files}/haproxy.cfg",
                    RAY_SERVE_HAPROXY_SOCKET_PATH=f"{files}/admin.sock", RAY_USAGE_STATS_ENABLED="0")
-        done = subprocess.run([sys.executable, "-c", PROBE, proxy_location, str(_free_port()),
+        done = subprocess.run([sys.executable, "-c", PROBE, proxy_location, str(free_port()),
                                "healthy" if healthy else "placed"], env=env,
                               capture_output=True, text=True, timeout=240)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]

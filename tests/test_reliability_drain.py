@@ -15,9 +15,9 @@ import threading
 import httpx
 import pytest
 
+from loadtest.common import free_port
 from tests.fixtures.documents import render_document
 from tests.fixtures.reliability import wait_for
-from tests.fixtures.serve_app import free_port
 
 pytestmark = pytest.mark.ray
 

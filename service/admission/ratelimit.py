@@ -211,7 +211,7 @@ class FailoverLimiter:
             return self._without_backend(tenant, cost, rate, burst, now)
         if self.degraded:  # the clock read again: a request that failed while this one waited set the start later
             log.warning("rate limiter: Redis is back after %.1fs; shared buckets in use again",
-                        max(0.0, self._clock() - self._degraded_since))
+                        self._clock() - self._degraded_since)
             self._degraded_since = None
         return decision
 
