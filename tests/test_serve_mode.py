@@ -62,10 +62,10 @@ def test_start_ray_warns_when_this_process_read_another_serve_mode(monkeypatch, 
 
 
 def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypatch):
-    """RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in for `ocr-serve serve`, the chart's default; docs/DEPLOY.md): the service port belongs to an haproxy process, not to
-    Serve's proxy actor, and through it a real page gets its OCR (a body far over HAProxy's 16 KiB buffer), a
-    stream its events, bad input its stable 4xx; HAProxy's stats and metrics listeners got free ports, not the
-    fixed 8404/9101 (start_ray), so two services on one machine do not collide."""
+    """RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in for `ocr-serve serve`, the chart's default; docs/DEPLOY.md): the service
+    port belongs to an haproxy process, not to Serve's proxy actor, and through it a real page gets its OCR (a body
+    far over HAProxy's 16 KiB buffer), a stream its events, bad input its stable 4xx; HAProxy's stats and metrics
+    listeners got free ports, not the fixed 8404/9101 (start_ray), so two services on one machine do not collide."""
     from loadtest.documents import make_documents
     from loadtest.resources import process_kind
 
