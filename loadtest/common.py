@@ -143,15 +143,22 @@ def listening_ports(pids: list[int]) -> dict[int, str]:
     return ports
 
 
-def port_holder(process: ManagedProcess, port: int | None) -> str | None:
+def port_holder(process: ManagedProcess, port: int | None, wait_s: float = 5.0) -> str | None:
     """What holds `port` in `process`'s session (loadtest.resources.process_kind): the service's HTTP port belongs
-    to Serve's proxy actor (`ray::ProxyActor`) or, with RAY_SERVE_ENABLE_HA_PROXY=1, to an `haproxy` process."""
+    to Serve's proxy actor (`ray::ProxyActor`) or, with RAY_SERVE_ENABLE_HA_PROXY=1, to an `haproxy` process.
+    Looks again for up to `wait_s` when nobody holds it: Ray reloads HAProxy when replicas change (a new haproxy
+    takes over the port, the old one lets it go), and a scan that listed the processes before the new one started
+    can read the old one's sockets after it let go (seen once in CI)."""
     from loadtest.resources import process_kind
 
-    for pid in [process.pid, *_session_members(process.pid)]:
-        if port in listening_ports([pid]):
-            return process_kind(pid)
-    return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        for pid in [process.pid, *_session_members(process.pid)]:
+            if port in listening_ports([pid]):
+                return process_kind(pid)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
 
 
 def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = None, expect: int = 200) -> float:

@@ -121,3 +121,20 @@ def test_py_spy_native_names_the_c_function_under_a_python_line(tmp_path):
     assert ".so" not in python_only["self"][0][0]  # the Python line, <module>
     assert ".so" in native["self"][0][0], native["self"][:3]  # libcrypto / libpython code under it
     assert native["self"][0][1] > 50  # frames without symbols add up per library, not per address
+
+
+def test_port_holder_looks_again_while_a_front_end_hands_its_port_over(tmp_path):
+    """Ray reloads HAProxy when replicas change: a new haproxy takes the port and the old one lets it go, so for a
+    moment a scan may find nobody holding it (CI, 2026-12-01: `port_holder` said None for a running service). Here a
+    process of the session starts listening only after a second: one look finds nobody, looking again finds it."""
+    from loadtest.common import ManagedProcess, free_port, port_holder
+
+    port = free_port()
+    late = ("import socket, time\ntime.sleep(1.0)\nsock = socket.socket()\n"
+            f"sock.bind(('127.0.0.1', {port}))\nsock.listen()\ntime.sleep(30)\n")
+    proc = ManagedProcess("late-listener", [sys.executable, "-c", late], log_path=tmp_path / "late.log")
+    try:
+        assert port_holder(proc, port, wait_s=0) is None  # one look, before it listens
+        assert port_holder(proc, port) == f"{os.path.basename(sys.executable)} -c"
+    finally:
+        proc.stop(timeout_s=5)

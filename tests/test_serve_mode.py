@@ -4,6 +4,8 @@ also listens for HTTP itself on a port of 30000-31000 (Serve's direct ingress) a
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -74,13 +76,20 @@ def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypa
                               log_path=tmp_path / "serve.log", ready_timeout_s=180,
                               extra_env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
     try:
-        members = [proc.pid, *_session_members(proc.pid)]
-        haproxy = [pid for pid in members if process_kind(pid).endswith("haproxy")]
-        assert haproxy, [process_kind(pid) for pid in members]
         port = int(url.rsplit(":", 1)[1])
-        held = listening_ports(haproxy)
-        assert port in held and not {8404, 9101} & set(held), held
         assert port_holder(proc, port) == "haproxy"  # what bench gpu records as the service's front end
+        # the ports of the haproxy processes; looked at again while Ray reloads HAProxy (a new process takes the
+        # port over from the old one)
+        deadline = time.monotonic() + 10
+        while True:
+            members = [proc.pid, *_session_members(proc.pid)]
+            haproxy = [pid for pid in members if process_kind(pid).endswith("haproxy")]
+            held = listening_ports(haproxy)
+            if port in held or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert haproxy, [process_kind(pid) for pid in members]
+        assert port in held and not {8404, 9101} & set(held), held
         body = {"image": make_documents("id_card", 1)[0].data_url(), "task": "text"}  # a rendered ID card
         assert len(body["image"]) > 3 * 16 * 1024
         resp = httpx.post(url + "/v1/ocr", json=body, timeout=60)
