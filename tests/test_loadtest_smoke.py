@@ -168,6 +168,20 @@ def test_png_check_and_http_proxy_benchmarks_run_both_settings(tmp_path):
     assert "| a4_1240x1754 | the ingress too |" in report and "| id_card_1000x630 | haproxy |" in report
 
 
+def test_png_rows_benchmark_times_the_decode_with_and_without_the_row_check(tmp_path):
+    """`bench cpu --parts png_rows`: the engine's PNG decode with the row check, Pillow's plain load and the row count,
+    per document kind (it also asserts that both decodes give the same pixels); no timing assertions."""
+    from loadtest import bench_cpu
+
+    out = tmp_path / "cpu"
+    assert bench_cpu.main(["--parts", "png_rows", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["png_rows"]
+    for kind in ("id_card", "a4"):
+        ms = results[kind]["ms_per_page"]
+        assert ms["checked"] > 0 and ms["plain"] > 0 and 0 < ms["count"]
+    assert "| a4 (1240x1754" in (out / "report.md").read_text()
+
+
 def test_a_terminated_benchmark_stops_the_service_it_started(tmp_path):
     """`timeout` (SIGTERM) on a benchmark must not leave its server behind: the server runs in its own session, out of
     reach of the signal, so the benchmark has to stop it on the way out. (A killed `bench gpu --tiny` once left a

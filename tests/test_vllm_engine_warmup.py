@@ -113,14 +113,16 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
             max_tokens=6, logprobs=False, image_png=doc.png()))]
         assert sum(d.token_count for d in deltas) == deltas[-1].final.output_tokens > 0
 
-        # a bare PNG whose pixel stream does not decode (the ingress leaves such a file's pixels to the engine,
-        # png_pixel_check: engine) is the client's `invalid_image`, raised before vLLM sees anything; and a PNG of
-        # exactly the admitted rows still gives the same tokens afterwards
+        # a bare PNG whose pixel stream does not decode or ends before the last row (the ingress leaves such a
+        # file's pixels to the engine, png_pixel_check: engine) is the client's `invalid_image`, raised before vLLM
+        # sees anything; and a PNG of exactly the admitted rows still gives the same tokens afterwards
         from service.errors import OCRError
         from tests.fixtures.hostile import bare_png
 
+        rows_but_the_last = b"".join(b"\x00" + bytes([255]) * 480 * 3 for _ in range(269))  # a clean zlib end
         for name, data in {"garbage": bare_png(480, 270, [bytes(range(256)) * 8]),
-                           "cut": bare_png(480, 270, [zlib.compress(image.tobytes())[:500]])}.items():
+                           "cut": bare_png(480, 270, [zlib.compress(image.tobytes())[:500]]),
+                           "last row missing": bare_png(480, 270, [zlib.compress(rows_but_the_last)])}.items():
             with pytest.raises(OCRError) as refused:
                 await engine.generate(EngineRequest(request_id=f"corrupt-{name}", task="text", width=480,
                                                     height=270, prompt="Read it.", max_tokens=2, image_png=data))

@@ -135,7 +135,10 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
             if _too_many_frames(img, max_frames):
                 raise OCRError("image_too_large", f"image has more than {max_frames} frame(s); "
                                f"at most {max_frames} accepted")
-            img.load()
+            if fmt == "PNG":
+                load_png_whole(img, data)
+            else:
+                img.load()
             upright = img.getexif().get(ExifTags.Base.Orientation, 1) == 1
             if not upright:  # exif_transpose copies even an upright image: a third of an A4 page's decode time
                 img = ImageOps.exif_transpose(img)
@@ -166,13 +169,90 @@ def decode_png_pixels(data: bytes, width: int, height: int) -> Image.Image:
         img = Image.open(io.BytesIO(data), formats=["PNG"])
         if img.size != (width, height):
             raise ValueError(f"the PNG is {img.size}, not the admitted {width}x{height}")
-        img.load()
+        load_png_whole(img, data)
         return img if img.mode == "RGB" else img.convert("RGB")
     except Exception as exc:  # noqa: BLE001 — zlib.error, OSError (truncated), ValueError, ... on hostile bytes
         raise OCRError("invalid_image", "the PNG file could not be decoded (corrupt pixel data)") from exc
 
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# Pillow decodes a PNG whose zlib stream ends cleanly after a whole row, before the last one, without an error: the
+# rows it never wrote keep the image memory's first value (black). Such a file is damaged, not a page with a black
+# bottom. So the memory starts in an unlikely colour instead, and only when a pixel of the last two rows still holds
+# it (a row never written, or rarely a real pixel) are the PNG's rows counted, with one more inflate of its data.
+# Two rows: an interlaced PNG's last pass writes the odd rows, so a cut one misses the last or the one before it.
+_UNWRITTEN_8BIT = (17, 201, 99, 7)
+_UNWRITTEN_WIDE = 40961  # 16- and 32-bit grey
+# Adam7 passes: first column, first row, column step, row step
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type
+
+
+def load_png_whole(img: Image.Image, data: bytes) -> None:
+    """`img.load()` for a PNG opened from `data`; ValueError when its image data ends before its last row."""
+    marker = _unwritten_marker(img.mode)
+    if marker is not None:
+        try:
+            img.im = Image.core.fill(img.mode, img.size, marker)  # ImageFile.load_prepare keeps memory it finds
+        except (ValueError, TypeError):
+            marker = None  # a mode Pillow cannot fill: the rows are counted instead
+    img.load()
+    if (marker is None or _marker_in_last_rows(img, marker)) and not png_rows_complete(data):
+        raise ValueError("the PNG's image data ends before its last row")
+
+
+def _unwritten_marker(mode: str) -> int | tuple[int, ...] | None:
+    if mode == "1":
+        return None  # two values only: every bilevel PNG gets the count (at 1 bit a pixel, a cheap one)
+    if mode.startswith("I"):
+        return _UNWRITTEN_WIDE
+    bands = Image.getmodebands(mode)
+    return _UNWRITTEN_8BIT[1] if bands == 1 else _UNWRITTEN_8BIT[:bands]
+
+
+def _marker_in_last_rows(img: Image.Image, marker: int | tuple[int, ...]) -> bool:
+    """Whether the marker pixel's bytes occur in the last two rows (at a pixel's start or, rarely, across two
+    pixels: then the rows are counted for nothing). 15 µs for an ID card's rows."""
+    rows = img.crop((0, max(0, img.height - 2), img.width, img.height)).tobytes()
+    return Image.new(img.mode, (1, 1), marker).tobytes() in rows
+
+
+def png_rows_complete(data: bytes) -> bool:
+    """Whether a PNG's IDAT data inflates to every row its header declares (all seven passes when interlaced).
+    Inflates at most 1 MiB at a time and stops at the last row (the stream's checksum is not read: Pillow decoded
+    the rows before this runs), so a zlib bomb costs no memory here."""
+    pos, header, pieces = len(_PNG_SIGNATURE), None, []
+    while pos + 12 <= len(data):
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR" and len(body) == 13:
+            header = body
+        elif kind == b"IDAT":
+            pieces.append(body)
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    if header is None or header[9] not in _PNG_CHANNELS:
+        return False
+    width, height = int.from_bytes(header[0:4], "big"), int.from_bytes(header[4:8], "big")
+    bits = _PNG_CHANNELS[header[9]] * header[8]
+    grids = _ADAM7 if header[12] else ((0, 0, 1, 1),)
+    needed = 0
+    for x0, y0, dx, dy in grids:
+        columns, rows = -(-(width - x0) // dx), -(-(height - y0) // dy)
+        if columns > 0 and rows > 0:
+            needed += rows * (1 + (columns * bits + 7) // 8)  # each row: its filter byte, then its pixels
+    # raw deflate after the 2-byte zlib header (PNG has no preset dictionary): the adler32 after the last block is
+    # not checked, and zlib.error would drop the output of the call that raised it
+    stream, inflater, produced = b"".join(pieces)[2:], zlib.decompressobj(-zlib.MAX_WBITS), 0
+    try:
+        while stream and produced < needed and not inflater.eof:
+            produced += len(inflater.decompress(stream, min(1 << 20, needed - produced)))
+            stream = inflater.unconsumed_tail
+    except zlib.error:
+        return False  # broken before the rows were out
+    return produced >= needed
 
 
 def bare_rgb_png_size(data: bytes) -> tuple[int, int] | None:
