@@ -147,6 +147,8 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise OCRError("image_too_large", "image exceeds the decompression limit") from exc
+    except PngRowsMissing as exc:
+        raise OCRError("invalid_image", str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 — whatever a decoder raises on hostile bytes is the file's fault
         # (OSError, SyntaxError, struct.error, ZeroDivisionError, MemoryError, ... seen from Pillow's plugins)
         raise OCRError("invalid_image", f"the {fmt} file could not be decoded (corrupt or truncated)") from exc
@@ -171,6 +173,8 @@ def decode_png_pixels(data: bytes, width: int, height: int) -> Image.Image:
             raise ValueError(f"the PNG is {img.size}, not the admitted {width}x{height}")
         load_png_whole(img, data)
         return img if img.mode == "RGB" else img.convert("RGB")
+    except PngRowsMissing as exc:
+        raise OCRError("invalid_image", str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 — zlib.error, OSError (truncated), ValueError, ... on hostile bytes
         raise OCRError("invalid_image", "the PNG file could not be decoded (corrupt pixel data)") from exc
 
@@ -189,8 +193,12 @@ _ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), 
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type
 
 
+class PngRowsMissing(ValueError):
+    """A PNG whose image data ends before its last row."""
+
+
 def load_png_whole(img: Image.Image, data: bytes) -> None:
-    """`img.load()` for a PNG opened from `data`; ValueError when its image data ends before its last row."""
+    """`img.load()` for a PNG opened from `data`; PngRowsMissing when its image data ends before its last row."""
     marker = _unwritten_marker(img.mode)
     if marker is not None:
         try:
@@ -199,7 +207,7 @@ def load_png_whole(img: Image.Image, data: bytes) -> None:
             marker = None  # a mode Pillow cannot fill: the rows are counted instead
     img.load()
     if (marker is None or _marker_in_last_rows(img, marker)) and not png_rows_complete(data):
-        raise ValueError("the PNG's image data ends before its last row")
+        raise PngRowsMissing("the PNG's image data ends before its last row (a cut or damaged file)")
 
 
 def _unwritten_marker(mode: str) -> int | tuple[int, ...] | None:
