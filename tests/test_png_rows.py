@@ -9,7 +9,6 @@ runs the same files through the API, the embedded engine and Serve (`corrupt_pix
 from __future__ import annotations
 
 import io
-import struct
 import zlib
 
 import numpy as np
@@ -19,20 +18,12 @@ from PIL import Image
 from service.admission import images
 from service.admission.images import decode_image, decode_png_pixels, png_rows_complete
 from service.errors import OCRError
-
-ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
-
-
-def chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+from tests.fixtures.hostile import ADAM7, bare_png
 
 
-def png_of_rows(width: int, height: int, rows: list[bytes], *, colour: int = 2, bit_depth: int = 8,
-                interlace: int = 0) -> bytes:
+def png_of_rows(width: int, height: int, rows: list[bytes], *, colour: int = 2, interlace: int = 0) -> bytes:
     """A PNG around the given filtered rows (one zlib stream that ends cleanly after the last given row)."""
-    ihdr = struct.pack(">IIBBBBB", width, height, bit_depth, colour, 0, 0, interlace)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"".join(rows)))
-            + chunk(b"IEND", b""))
+    return bare_png(width, height, [zlib.compress(b"".join(rows))], colour=colour, interlace=interlace)
 
 
 def rgb_rows(pixels: np.ndarray, interlace: bool = False) -> list[bytes]:
@@ -54,6 +45,8 @@ def both_sides_refuse(data: bytes, width: int, height: int, *, says_cut: bool = 
     with pytest.raises(OCRError) as refused:
         ingress(data)
     assert refused.value.code == "invalid_image"
+    if says_cut:  # says what is wrong with the file
+        assert "ends before its last row" in refused.value.message
     if images.bare_rgb_png_size(data):
         with pytest.raises(OCRError) as refused:
             decode_png_pixels(data, width, height)
@@ -128,8 +121,7 @@ def test_the_count_does_not_read_the_checksum_after_the_rows():
     rows = rgb_rows(np.random.default_rng(3).integers(0, 256, (20, 30, 3), dtype=np.uint8))
     stream = bytearray(zlib.compress(b"".join(rows)))
     stream[-1] ^= 0xFF  # adler32
-    ihdr = struct.pack(">IIBBBBB", 30, 20, 8, 2, 0, 0, 0)
-    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", bytes(stream)) + chunk(b"IEND", b"")
+    data = bare_png(30, 20, [bytes(stream)])
     with pytest.raises(zlib.error):
         zlib.decompress(bytes(stream))
     assert png_rows_complete(data)
@@ -164,6 +156,5 @@ def test_headers_and_streams_that_do_not_add_up_are_incomplete():
     assert not png_rows_complete(png_of_rows(9, 8, rows))  # longer rows than the data has
     assert not png_rows_complete(b"\x89PNG\r\n\x1a\n")  # no header at all
     stream = zlib.compress(b"".join(rows))
-    ihdr = struct.pack(">IIBBBBB", 8, 8, 8, 2, 0, 0, 0)
     broken = stream[:2] + b"\xff" * 20  # after the zlib header, a deflate block of the reserved type 3
-    assert not png_rows_complete(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", broken))
+    assert not png_rows_complete(bare_png(8, 8, [broken]))

@@ -4,12 +4,11 @@ also listens for HTTP itself on a port of 30000-31000 (Serve's direct ingress) a
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from loadtest.common import _session_members, listening_ports, port_holder, start_service
+from tests.fixtures.reliability import wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -78,17 +77,13 @@ def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypa
     try:
         port = int(url.rsplit(":", 1)[1])
         assert port_holder(proc, port) == "haproxy"  # what bench gpu records as the service's front end
-        # the ports of the haproxy processes; looked at again while Ray reloads HAProxy (a new process takes the
-        # port over from the old one)
-        deadline = time.monotonic() + 10
-        while True:
+        def haproxy_ports_with_the_service_port() -> dict[int, str] | None:
             members = [proc.pid, *_session_members(proc.pid)]
-            haproxy = [pid for pid in members if process_kind(pid).endswith("haproxy")]
-            held = listening_ports(haproxy)
-            if port in held or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert haproxy, [process_kind(pid) for pid in members]
+            ports = listening_ports([pid for pid in members if process_kind(pid).endswith("haproxy")])
+            return ports if port in ports else None
+
+        # looked at again while Ray reloads HAProxy (a new process takes the port over from the old one)
+        held = wait_for(haproxy_ports_with_the_service_port, 10, what="an haproxy process holding the service port")
         assert port in held and not {8404, 9101} & set(held), held
         body = {"image": make_documents("id_card", 1)[0].data_url(), "task": "text"}  # a rendered ID card
         assert len(body["image"]) > 3 * 16 * 1024

@@ -20,6 +20,7 @@ import re
 import warnings
 import zlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
@@ -230,17 +231,14 @@ def png_rows_complete(data: bytes) -> bool:
     """Whether a PNG's IDAT data inflates to every row its header declares (all seven passes when interlaced).
     Inflates at most 1 MiB at a time and stops at the last row (the stream's checksum is not read: Pillow decoded
     the rows before this runs), so a zlib bomb costs no memory here."""
-    pos, header, pieces = len(_PNG_SIGNATURE), None, []
-    while pos + 12 <= len(data):
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+    header, pieces = None, []
+    for kind, body, _, _ in _png_chunks(data):
         if kind == b"IHDR" and len(body) == 13:
             header = body
         elif kind == b"IDAT":
             pieces.append(body)
         elif kind == b"IEND":
             break
-        pos += 12 + length
     if header is None or header[9] not in _PNG_CHANNELS:
         return False
     width, height = int.from_bytes(header[0:4], "big"), int.from_bytes(header[4:8], "big")
@@ -270,27 +268,32 @@ def bare_rgb_png_size(data: bytes) -> tuple[int, int] | None:
     decode here, which refuses it). None for anything else. Reads no pixels: 0.04-0.08 ms for an ID card or A4 page."""
     if not data.startswith(_PNG_SIGNATURE):
         return None
-    pos, size, idat = len(_PNG_SIGNATURE), None, False
-    while pos + 12 <= len(data):
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        end = pos + 12 + length
-        if end > len(data):
-            return None
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:end - 4]
-        if zlib.crc32(body, zlib.crc32(kind)) != int.from_bytes(data[end - 4:end], "big"):
+    size, idat = None, False
+    for kind, body, end, crc in _png_chunks(data):
+        if end > len(data) or zlib.crc32(body, zlib.crc32(kind)) != crc:
             return None
         if size is None:  # IHDR: width, height, bit depth 8, colour type 2 (RGB), compression/filter/interlace 0
-            if kind != b"IHDR" or length != 13 or body[8:] != b"\x08\x02\x00\x00\x00":
+            if kind != b"IHDR" or len(body) != 13 or body[8:] != b"\x08\x02\x00\x00\x00":
                 return None
             size = (int.from_bytes(body[0:4], "big"), int.from_bytes(body[4:8], "big"))
         elif kind == b"IDAT":
             idat = True
         elif kind == b"IEND":
-            return size if idat and end == len(data) and length == 0 else None
+            return size if idat and end == len(data) and not body else None
         else:
             return None
-        pos = end
     return None
+
+
+def _png_chunks(data: bytes) -> Iterator[tuple[bytes, bytes, int, int]]:
+    """(kind, body, end offset, stored CRC) of each chunk after the signature, in order. A last chunk that runs
+    past the data has `end` > len(data), its body cut short and CRC -1."""
+    pos = len(_PNG_SIGNATURE)
+    while pos + 12 <= len(data):
+        end = pos + 12 + int.from_bytes(data[pos:pos + 4], "big")
+        crc = int.from_bytes(data[end - 4:end], "big") if end <= len(data) else -1
+        yield data[pos + 4:pos + 8], data[pos + 8:end - 4], end, crc
+        pos = end
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
