@@ -257,6 +257,13 @@ class Settings(BaseSettings):
     )
 
     # --- Ray Serve deployment --------------------------------------------------------------------------------------
+    serve_topology: Literal["split", "colocated"] = Field(
+        "split", description="`split`: CPU ingress replicas (HTTP, admission, image work) call engine replicas "
+        "through Serve handles; ingress and engines scale apart. `colocated`: each replica serves HTTP and holds "
+        "an engine in one process, so no Serve hop lies between them; ingress_replicas and ingress_num_cpus "
+        "are then unused (engine_num_cpus covers the process), and max_queued_requests counts per replica. Lower "
+        "latency at one client; the image work is no longer spread over other processes (docs/DEPLOY.md)."
+    )
     engine_num_gpus: float | None = Field(
         None, ge=0, description="GPUs per engine replica; None = 1 for `vllm`, 0 otherwise."
     )

@@ -20,7 +20,7 @@ SCENARIOS = ["default"] + [p.name.removesuffix("-values.yaml") for p in ci_value
 
 
 def test_ci_scenarios_exist():
-    assert {"minimal", "gpu-production", "external-redis", "autoscaling-off"} <= set(SCENARIOS)
+    assert {"minimal", "gpu-production", "external-redis", "autoscaling-off", "colocated"} <= set(SCENARIOS)
 
 
 def test_chart_copies_and_schema_are_in_sync():
@@ -150,7 +150,7 @@ def test_serve_config_builds_the_app(chart_renders, scenario, tmp_path, monkeypa
     """`import_path` + rendered `args` → Settings → build_app → the engine deployment carries the chart's knobs."""
     from ray.serve._private.build_app import build_app as serve_build_app
 
-    from service.serve.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, app_builder
+    from service.serve.app import COLOCATED_DEPLOYMENT, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, app_builder
 
     for var in [v for v in __import__("os").environ if v.startswith("OCR_")]:
         monkeypatch.delenv(var)
@@ -164,8 +164,12 @@ def test_serve_config_builds_the_app(chart_renders, scenario, tmp_path, monkeypa
         args["api_keys_file"] = str(keys)
     built = serve_build_app(app_builder(args), name="ocr")
     deployments = {d.name: d for d in built.deployments}
-    assert set(deployments) == {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
-    engine = deployments[ENGINE_DEPLOYMENT]
+    if args.get("serve_topology") == "colocated":  # one deployment answers HTTP and holds the engine
+        assert set(deployments) == {COLOCATED_DEPLOYMENT}
+        engine = deployments[COLOCATED_DEPLOYMENT]
+    else:
+        assert set(deployments) == {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
+        engine = deployments[ENGINE_DEPLOYMENT]
 
     rayservice = find(objects, "RayService")[0]
     workers = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]

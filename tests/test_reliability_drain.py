@@ -28,10 +28,13 @@ MOCK_DELAY_S = 12.0  # long enough that the 10 are still running when SIGTERM ar
 # Ray Serve's throughput-optimized mode (our default), where a handle's router runs on the caller's event loop, its
 # standard mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=0), and HAProxy in front of the ingress replicas instead of Serve's
 # proxy actor (RAY_SERVE_ENABLE_HA_PROXY=1, opt-in): the drain's handle calls, its refusals and Serve's shutdown must
-# work in each
+# work in each; and with HAProxy, replicas that hold the engine and answer HTTP in one process (serve_topology:
+# colocated), where the drain calls that deployment
 SERVE_SETUPS = {"standard": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
                 "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
-                "haproxy": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+                "haproxy": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"},
+                "colocated_haproxy": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                                      "OCR_SERVE_TOPOLOGY": "colocated"}}
 
 
 @pytest.fixture(params=list(SERVE_SETUPS))

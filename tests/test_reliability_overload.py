@@ -34,8 +34,10 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[int(q) - 1] if len(values) >= 2 else (values or [0.0])[0]
 
 
-def test_three_times_capacity_gets_fast_503s(serve_app):
-    url = serve_app(**SETTINGS)
+@pytest.mark.parametrize("topology", ["split", "colocated"])
+def test_three_times_capacity_gets_fast_503s(serve_app, topology):
+    """split: Serve's router bounds the engine deployment's queue; colocated: the replica's own EngineGate does."""
+    url = serve_app(**SETTINGS, serve_topology=topology)
     doc = render_document(["Overload drill"], size=(400, 160), top=40)
     body = {"image": base64.b64encode(doc.png()).decode(), "task": "text"}
     results: list[tuple[int, str, float, str | None]] = []  # status, code, seconds, Retry-After
@@ -63,10 +65,10 @@ def test_three_times_capacity_gets_fast_503s(serve_app):
     outcomes = collections.Counter(f"{status} {code}" for status, code, _, _ in results)
     accepted = [s for status, _, s, _ in results if status == 200]
     rejected = [s for status, _, s, _ in results if status == 503]
-    print(f"\noverload at {CLIENTS} clients for {LOAD_S:.0f}s (capacity {MAX_ONGOING} running + {MAX_QUEUED} queued, "
-          f"{MOCK_DELAY_S}s each): {dict(outcomes)}; latency accepted p50 {percentile(accepted, 50):.2f}s "
-          f"p99 {percentile(accepted, 99):.2f}s max {max(accepted, default=0):.2f}s; rejected p50 "
-          f"{percentile(rejected, 50) * 1000:.0f}ms p99 {percentile(rejected, 99) * 1000:.0f}ms")
+    print(f"\n{topology}: overload at {CLIENTS} clients for {LOAD_S:.0f}s (capacity {MAX_ONGOING} running + "
+          f"{MAX_QUEUED} queued, {MOCK_DELAY_S}s each): {dict(outcomes)}; latency accepted p50 "
+          f"{percentile(accepted, 50):.2f}s p99 {percentile(accepted, 99):.2f}s max {max(accepted, default=0):.2f}s; "
+          f"rejected p50 {percentile(rejected, 50) * 1000:.0f}ms p99 {percentile(rejected, 99) * 1000:.0f}ms")
     assert set(outcomes) <= {"200 ok", "503 overloaded"}, outcomes
     assert accepted and rejected, outcomes
     for status, _, _, retry_after in results:

@@ -1,11 +1,13 @@
 """The Ray Serve application: a CPU ingress deployment (HTTP, validation, image decode) in front of an engine
-deployment (one engine per replica; one GPU per replica for vLLM). `build_app(settings)` is the single builder used
-by the CLI, the tests and the Helm chart's `serveConfigV2` (`import_path: service.serve.app:app_builder`).
+deployment (one engine per replica; one GPU per replica for vLLM), or, with `serve_topology: colocated`, one
+deployment whose replicas do both in one process. `build_app(settings)` is the single builder used by the CLI, the
+tests and the Helm chart's `serveConfigV2` (`import_path: service.serve.app:app_builder`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from typing import Any, AsyncIterator
@@ -27,6 +29,13 @@ log = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "OCREngine"
 INGRESS_DEPLOYMENT = "OCRIngress"
+COLOCATED_DEPLOYMENT = "OCRService"  # serve_topology: colocated (HTTP and engine in each replica)
+# the deployment that answers HTTP, per topology (the CLI's drain calls it)
+HTTP_DEPLOYMENTS = {"split": INGRESS_DEPLOYMENT, "colocated": COLOCATED_DEPLOYMENT}
+# colocated replicas also answer /readyz, /metrics and the like: room for those beside the engine's requests
+COLOCATED_HTTP_HEADROOM = 64
+# max_queued_requests -1 (unbounded) in a colocated replica: Serve needs a number for the replica's own limit
+COLOCATED_UNBOUNDED_QUEUE = 100_000
 
 
 class EngineDeployment:
@@ -235,14 +244,10 @@ class ServeEngineClient:
         return await self._handle.adapter_status.remote()
 
 
-@serve.ingress()
-class IngressDeployment:
-    """HTTP ingress: builds the FastAPI app around a handle to the engine deployment."""
+class HttpReplica:
+    """What a replica that answers HTTP has, in either topology: the FastAPI app around `self.ctx`, and drain."""
 
-    def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]):
-        self.settings = Settings.model_validate(settings)
-        logging.getLogger("service").setLevel(self.settings.log_level)
-        self.ctx = build_context(self.settings, ServeEngineClient(engine))
+    ctx: AppContext
 
     def __serve_build_asgi_app__(self):
         return create_app(self.ctx)
@@ -252,6 +257,62 @@ class IngressDeployment:
         handle by `ocr-serve serve` on SIGTERM, and repeatedly to watch the in-flight count reach 0."""
         self.ctx.draining = True
         return {"replica": serve.get_replica_context().replica_id.unique_id, "in_flight": self.ctx.in_flight}
+
+
+@serve.ingress()
+class IngressDeployment(HttpReplica):
+    """HTTP ingress: builds the FastAPI app around a handle to the engine deployment."""
+
+    def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]):
+        self.settings = Settings.model_validate(settings)
+        logging.getLogger("service").setLevel(self.settings.log_level)
+        self.ctx = build_context(self.settings, ServeEngineClient(engine))
+
+
+class EngineGate:
+    """In a colocated replica, what Serve's router does in front of split engine replicas: at most `ongoing`
+    requests in the engine at once, at most `queued` more waiting (-1 = no limit), and past that `overloaded` at
+    once (503 with Retry-After) instead of a queue that grows without end."""
+
+    def __init__(self, ongoing: int, queued: int):
+        self._slots = asyncio.Semaphore(ongoing)
+        self._queued_limit = queued
+        self.waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def admit(self):
+        if self._slots.locked() and 0 <= self._queued_limit <= self.waiting:
+            raise OCRError("overloaded", "all engine replicas are busy; retry later", headers={"Retry-After": "1"})
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
+@serve.ingress()
+class ColocatedDeployment(HttpReplica, EngineDeployment):
+    """`serve_topology: colocated`: the HTTP API and the engine in one replica process. The API calls the engine
+    side of this same object (EngineDeployment's methods are the EngineClient interface), so a request meets no
+    Serve hop, no pickling and no second event loop between admission and the engine (docs/DEPLOY.md)."""
+
+    async def __init__(self, settings: dict[str, Any]):
+        await EngineDeployment.__init__(self, settings)
+        self._gate = EngineGate(self.settings.max_ongoing_requests, self.settings.max_queued_requests)
+        self.ctx = build_context(self.settings, self)
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        async with self._gate.admit():
+            return await EngineDeployment.generate(self, request)
+
+    async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        async with self._gate.admit():
+            async for delta in EngineDeployment.stream(self, request):
+                yield delta
 
 
 def build_context(settings: Settings, engine_client) -> AppContext:
@@ -302,9 +363,23 @@ def engine_deployment_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+def colocated_deployment_options(settings: Settings) -> dict[str, Any]:
+    """The engine deployment's options (replicas, autoscaling, GPU, CPUs, health checks) for replicas that also
+    answer HTTP. engine_num_cpus covers the one process, so a GPU worker that advertises exactly that (the Helm
+    chart's) still fits it. Serve's limit per replica covers the engine's requests, those waiting at its EngineGate
+    and the probes; the queue is the gate's, so Serve's own (which answers without our error body) stays unbounded."""
+    options = engine_deployment_options(settings)
+    queued = settings.max_queued_requests if settings.max_queued_requests >= 0 else COLOCATED_UNBOUNDED_QUEUE
+    options.update(name=COLOCATED_DEPLOYMENT, max_queued_requests=-1,
+                   max_ongoing_requests=settings.max_ongoing_requests + queued + COLOCATED_HTTP_HEADROOM)
+    return options
+
+
 def build_app(settings: Settings) -> serve.Application:
     """The whole application, ready for `serve.run`."""
     plain = settings.model_dump(mode="python")
+    if settings.serve_topology == "colocated":
+        return serve.deployment(ColocatedDeployment, **colocated_deployment_options(settings)).bind(plain)
     engine = serve.deployment(EngineDeployment, **engine_deployment_options(settings)).bind(plain)
     ingress = serve.deployment(
         IngressDeployment,

