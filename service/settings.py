@@ -262,7 +262,8 @@ class Settings(BaseSettings):
         "through Serve handles; ingress and engines scale apart. `colocated`: each replica serves HTTP and holds "
         "an engine in one process, so no Serve hop lies between them; ingress_replicas and ingress_num_cpus "
         "are then unused (engine_num_cpus covers the process), and max_queued_requests counts per replica. Lower "
-        "latency at one client; the image work is no longer spread over other processes (docs/DEPLOY.md)."
+        "latency at one client; but the image work is no longer spread over other processes, and a request on a "
+        "replica that dies is not retried on another (docs/DEPLOY.md)."
     )
     engine_num_gpus: float | None = Field(
         None, ge=0, description="GPUs per engine replica; None = 1 for `vllm`, 0 otherwise."
