@@ -156,15 +156,19 @@ class AdapterSlot:
             pass
 
 
+def overloaded(retry_after_s: float) -> OCRError:
+    """503 `overloaded`: the engines' queue is full (Serve's router in the split topology, EngineGate colocated)."""
+    return OCRError("overloaded", "all engine replicas are busy; retry later",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
 def translate_engine_error(exc: BaseException) -> OCRError | None:
     """Map Ray/Serve failures to stable API errors (None = not a known engine-side failure)."""
     if isinstance(exc, OCRError):
         return exc
     name = type(exc).__name__
     if "BackPressureError" in name:  # max_queued_requests reached: answer at once instead of queueing further
-        retry_after = max(1, math.ceil(getattr(exc, "retry_after_s", None) or 1))
-        return OCRError("overloaded", "all engine replicas are busy; retry later",
-                        headers={"Retry-After": str(retry_after)})
+        return overloaded(getattr(exc, "retry_after_s", None) or 1)
     if any(k in name for k in ("ActorDiedError", "ActorUnavailableError", "RayActorError", "EngineDeadError",
                                "DeploymentUnavailableError")):
         return OCRError("engine_unavailable", "the engine replica is unavailable; retry later",
@@ -282,7 +286,7 @@ class EngineGate:
     @contextlib.asynccontextmanager
     async def admit(self):
         if self._slots.locked() and 0 <= self._queued_limit <= self.waiting:
-            raise OCRError("overloaded", "all engine replicas are busy; retry later", headers={"Retry-After": "1"})
+            raise overloaded(1)
         self.waiting += 1
         try:
             await self._slots.acquire()
