@@ -23,6 +23,8 @@
 8. `png_rows`: the engine replica's decode of a passed-on PNG (`decode_png_pixels`) with the check that its image
    data reaches the last row against Pillow's plain load (before that check), in alternating rounds; and the row
    count itself (`png_rows_complete`), which the decode runs only when the last two rows hold the marker colour.
+9. `topology`: the `overhead` measurement with the engine in its own replica behind a Serve handle (`split`, the
+   default) and in the replica that answers HTTP (`colocated`), both behind HAProxy, alternating rounds.
 
     python -m loadtest bench cpu --out results/cpu
 """
@@ -43,7 +45,8 @@ from loadtest import run
 from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
-ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy", "png_rows")
+ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy", "png_rows",
+             "topology")
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,12 @@ COMPARISONS = {
     "http_proxy": ModeComparison(
         "HTTP proxy", ("proxy_actor", {"RAY_SERVE_ENABLE_HA_PROXY": "0"}),
         ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1"}), ("tiny_64x32", "id_card_1000x630"), "HAProxy"),
+    # where the engine sits: in its own replica behind a Serve handle (split, the default), or in the replica that
+    # answers HTTP (colocated); both behind HAProxy, as the chart runs them
+    "topology": ModeComparison(
+        "Serve topology", ("split", {"OCR_SERVE_TOPOLOGY": "split", "RAY_SERVE_ENABLE_HA_PROXY": "1"}),
+        ("colocated", {"OCR_SERVE_TOPOLOGY": "colocated", "RAY_SERVE_ENABLE_HA_PROXY": "1"}),
+        ("tiny_64x32", "id_card_1000x630"), "the colocated topology"),
 }
 
 
@@ -488,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
     parser.add_argument("--overhead-requests", type=int, default=40, help="sequential requests per payload")
     parser.add_argument("--rounds", type=int, default=2, help="direct/API block pairs (embedded); service starts "
-                        "per setting (serve_mode, png_check, http_proxy)")
+                        "per setting (serve_mode, png_check, http_proxy, topology)")
     parser.add_argument("--docs", type=int, default=3, help="A4 pages and ID cards cycled through (embedded)")
     parser.add_argument("--block-s", type=float, default=30.0, help="seconds of each embedded block")
     parser.add_argument("--vllm-step-s", type=float, default=20.0, help="seconds per vLLM-CPU sweep step")

@@ -148,24 +148,27 @@ def test_serve_mode_benchmark_runs_both_modes(tmp_path):
     assert "| id_card_1000x630 | throughput_optimized |" in (out / "report.md").read_text()
 
 
-def test_png_check_and_http_proxy_benchmarks_run_both_settings(tmp_path):
-    """`bench cpu --parts png_check,http_proxy` starts the real service with a passed-on PNG's pixels decoded by
-    the engine only and by the ingress too (`OCR_PNG_PIXEL_CHECK`), then behind Serve's proxy actor and behind
-    HAProxy (`RAY_SERVE_ENABLE_HA_PROXY`), and answers through each; no timing assertions."""
+def test_png_check_http_proxy_and_topology_benchmarks_run_both_settings(tmp_path):
+    """`bench cpu --parts png_check,http_proxy,topology` starts the real service with a passed-on PNG's pixels
+    decoded by the engine only and by the ingress too (`OCR_PNG_PIXEL_CHECK`), then behind Serve's proxy actor and
+    behind HAProxy (`RAY_SERVE_ENABLE_HA_PROXY`), then split and colocated (`OCR_SERVE_TOPOLOGY`), and answers
+    through each; no timing assertions."""
     from loadtest import bench_cpu
 
     out = tmp_path / "cpu"
-    assert bench_cpu.main(["--parts", "png_check,http_proxy", "--overhead-requests", "3", "--rounds", "1",
+    assert bench_cpu.main(["--parts", "png_check,http_proxy,topology", "--overhead-requests", "3", "--rounds", "1",
                            "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     for part, payloads, modes in (("png_check", ("id_card_1000x630", "a4_1240x1754"), ("engine", "ingress")),
-                                  ("http_proxy", ("tiny_64x32", "id_card_1000x630"), ("proxy_actor", "haproxy"))):
+                                  ("http_proxy", ("tiny_64x32", "id_card_1000x630"), ("proxy_actor", "haproxy")),
+                                  ("topology", ("tiny_64x32", "id_card_1000x630"), ("split", "colocated"))):
         for payload in payloads:
             for mode in modes:
                 row = results[part][payload][mode]
                 assert row["client_p50_ms"] > row["ingress_p50_ms"] > 0 and row["outside_ingress_p50_ms"] > 0
     report = (out / "report.md").read_text()
     assert "| a4_1240x1754 | the ingress too |" in report and "| id_card_1000x630 | haproxy |" in report
+    assert "| tiny_64x32 | colocated |" in report
 
 
 def test_png_rows_benchmark_times_the_decode_with_and_without_the_row_check(tmp_path):
