@@ -76,7 +76,9 @@ def test_policy_reads_the_worst_replica_p95():
 
 # --- behaviour on CPU, with the real Serve controller --------------------------------------------------------------
 
-ENGINE = "OCREngine"
+# the deployment holding the engines, per serve_topology (colocated: the replicas also answer HTTP)
+ENGINE_DEPLOYMENTS = {"split": "OCREngine", "colocated": "OCRService"}
+ENGINE = ENGINE_DEPLOYMENTS["split"]
 
 
 def chart_autoscaling_args() -> dict:
@@ -96,24 +98,25 @@ def chart_autoscaling_args() -> dict:
     }
 
 
-def engine_replicas() -> dict[str, int]:
+def engine_replicas(deployment: str = ENGINE) -> dict[str, int]:
     from ray import serve
 
     app = serve.status().applications["ocr"]
-    return {str(k): v for k, v in app.deployments[ENGINE].replica_states.items()}
+    return {str(k): v for k, v in app.deployments[deployment].replica_states.items()}
 
 
-def running() -> int:
-    return engine_replicas().get("RUNNING", 0)
+def running(deployment: str = ENGINE) -> int:
+    return engine_replicas(deployment).get("RUNNING", 0)
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> float:
+def wait_for(predicate, timeout_s: float, what: str, deployment: str = ENGINE) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         if predicate():
             return time.monotonic() - started
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}; replicas: {engine_replicas()}")
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}; replicas: "
+                         f"{engine_replicas(deployment)}")
 
 
 def tiny_png() -> str:
@@ -153,27 +156,34 @@ class Load:
 
 @pytest.mark.ray
 @pytest.mark.timeout(400)
-def test_queue_depth_scales_up_and_back_down(serve_app):
-    """8 clients against a target of 2 ongoing/replica → more replicas; latency (1 s) stays under its target."""
-    url = serve_app(**chart_autoscaling_args(), latency_target_ms=5000)
-    wait_for(lambda: running() == 1, 60, "one replica at rest")
+@pytest.mark.parametrize("topology", list(ENGINE_DEPLOYMENTS))
+def test_queue_depth_scales_up_and_back_down(serve_app, topology):
+    """8 clients against a target of 2 ongoing/replica → more replicas; latency (1 s) stays under its target.
+    Colocated, the replicas that scale are the ones answering HTTP (their queue is the EngineGate's)."""
+    url = serve_app(**chart_autoscaling_args(), latency_target_ms=5000, serve_topology=topology)
+    deployment = ENGINE_DEPLOYMENTS[topology]
+    wait_for(lambda: running(deployment) == 1, 60, "one replica at rest", deployment)
     with Load(url, clients=1) as light:  # control: short queue, fast enough → no scale-up
         time.sleep(8)
-        assert engine_replicas() == {"RUNNING": 1}
+        assert engine_replicas(deployment) == {"RUNNING": 1}
     with Load(url, clients=8) as heavy:
-        wait_for(lambda: running() >= 2, 90, "scale-up on queue depth")
-        wait_for(lambda: running() == 3, 90, "max_replicas under sustained queue depth")
+        wait_for(lambda: running(deployment) >= 2, 90, "scale-up on queue depth", deployment)
+        wait_for(lambda: running(deployment) == 3, 90, "max_replicas under sustained queue depth", deployment)
     assert set(light.statuses + heavy.statuses) == {200}
-    wait_for(lambda: engine_replicas() == {"RUNNING": 1}, 90, "scale-down after the load stopped")
+    wait_for(lambda: engine_replicas(deployment) == {"RUNNING": 1}, 90, "scale-down after the load stopped",
+             deployment)
 
 
 @pytest.mark.ray
 @pytest.mark.timeout(400)
-def test_latency_scales_up_at_low_queue_depth_and_back_down(serve_app):
+@pytest.mark.parametrize("topology", list(ENGINE_DEPLOYMENTS))
+def test_latency_scales_up_at_low_queue_depth_and_back_down(serve_app, topology):
     """One client (queue depth ≤ 1, under the target of 2) but p95 = 1 s over a 300 ms target → more replicas."""
-    url = serve_app(**chart_autoscaling_args(), latency_target_ms=300)
-    wait_for(lambda: running() == 1, 60, "one replica at rest")
+    url = serve_app(**chart_autoscaling_args(), latency_target_ms=300, serve_topology=topology)
+    deployment = ENGINE_DEPLOYMENTS[topology]
+    wait_for(lambda: running(deployment) == 1, 60, "one replica at rest", deployment)
     with Load(url, clients=1) as light:
-        wait_for(lambda: running() >= 2, 90, "scale-up on p95 latency at low queue depth")
+        wait_for(lambda: running(deployment) >= 2, 90, "scale-up on p95 latency at low queue depth", deployment)
     assert set(light.statuses) == {200}
-    wait_for(lambda: engine_replicas() == {"RUNNING": 1}, 90, "scale-down after the load stopped")
+    wait_for(lambda: engine_replicas(deployment) == {"RUNNING": 1}, 90, "scale-down after the load stopped",
+             deployment)
