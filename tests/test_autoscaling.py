@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from service.serve.app import COLOCATED_DEPLOYMENT, ENGINE_DEPLOYMENT
 from service.serve.autoscaling import (P95_METRIC, QueueLatencyPolicy, LatencyWindow, decide, deployment_p95_ms,
                                        percentile)
 from tests.fixtures.helm import CHART_DIR, find, render_chart, rendered_objects
@@ -77,8 +78,8 @@ def test_policy_reads_the_worst_replica_p95():
 # --- behaviour on CPU, with the real Serve controller --------------------------------------------------------------
 
 # the deployment holding the engines, per serve_topology (colocated: the replicas also answer HTTP)
-ENGINE_DEPLOYMENTS = {"split": "OCREngine", "colocated": "OCRService"}
-ENGINE = ENGINE_DEPLOYMENTS["split"]
+ENGINE_DEPLOYMENTS = {"split": ENGINE_DEPLOYMENT, "colocated": COLOCATED_DEPLOYMENT}
+ENGINE = ENGINE_DEPLOYMENT
 
 
 def chart_autoscaling_args() -> dict:

@@ -77,6 +77,7 @@ def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypa
     try:
         port = int(url.rsplit(":", 1)[1])
         assert port_holder(proc, port) == "haproxy"  # what bench gpu records as the service's front end
+
         def haproxy_ports_with_the_service_port() -> dict[int, str] | None:
             members = [proc.pid, *_session_members(proc.pid)]
             ports = listening_ports([pid for pid in members if process_kind(pid).endswith("haproxy")])

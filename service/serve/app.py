@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 ENGINE_DEPLOYMENT = "OCREngine"
 INGRESS_DEPLOYMENT = "OCRIngress"
 COLOCATED_DEPLOYMENT = "OCRService"  # serve_topology: colocated (HTTP and engine in each replica)
-# the deployment that answers HTTP, per topology (the CLI's drain calls it)
-HTTP_DEPLOYMENTS = {"split": INGRESS_DEPLOYMENT, "colocated": COLOCATED_DEPLOYMENT}
+# the deployments that answer HTTP (one per topology; the CLI's drain calls whichever the app has)
+HTTP_DEPLOYMENTS = (INGRESS_DEPLOYMENT, COLOCATED_DEPLOYMENT)
 # colocated replicas also answer /readyz, /metrics and the like: room for those beside the engine's requests
 COLOCATED_HTTP_HEADROOM = 64
 # max_queued_requests -1 (unbounded) in a colocated replica: Serve needs a number for the replica's own limit

@@ -131,7 +131,7 @@ async def _drain(timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     try:
         deployments = serve.status().applications[APP_NAME].deployments
-        http_deployment = next(name for name in HTTP_DEPLOYMENTS.values() if name in deployments)
+        http_deployment = next(name for name in HTTP_DEPLOYMENTS if name in deployments)
         replicas = max(1, deployments[http_deployment].replica_states.get("RUNNING", 1))
     except Exception as exc:  # app never came up: nothing to drain
         log.warning("drain skipped: %s: %s", type(exc).__name__, str(exc)[:300])
