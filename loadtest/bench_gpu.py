@@ -697,7 +697,10 @@ class Bench:
             if not self.args.tiny:  # the CPU dry run has no GPU to share
                 settings["engine_num_gpus"] = round(1 / engines, 4)
             # a fixed KV size: engines that profile memory at the same time would count each other's allocations
-            settings["kv_cache_memory_gb"] = round((self.args.kv_cache_gb or ONE_ENGINE_KV_GIB) / engines, 2)
+            # (the CPU dry run splits its own small cache: two engines with 10 GiB each filled the 24 GB VM)
+            one_engine_kv = self.args.kv_cache_gb or (self.settings["kv_cache_memory_gb"] if self.args.tiny
+                                                      else ONE_ENGINE_KV_GIB)
+            settings["kv_cache_memory_gb"] = round(one_engine_kv / engines, 2)
             settings.pop("gpu_memory_utilization", None)
         return settings
 

