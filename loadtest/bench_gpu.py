@@ -68,7 +68,7 @@ from typing import Any, Callable
 from loadtest import run
 from loadtest.common import (environment_facts, port_holder, service_prompt, start_direct, start_service,
                              start_vllm_server)
-from loadtest.resources import (GpuUtilisation, busiest_pids, cpu_percent, cpu_snapshot, record_stacks,
+from loadtest.resources import (GpuUtilisation, busiest_pids, cpu_percent, cpu_snapshot, find_py_spy, record_stacks,
                                 summarise_stacks)
 from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
 
@@ -1352,6 +1352,9 @@ def main(argv: list[str] | None = None) -> int:
         apply_defaults(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.py_spy_levels and find_py_spy() is None:
+        # asked for stacks: no run without them (2026-12-02: a device call's profiles came back empty)
+        parser.error("--py-spy: no py-spy binary on PATH or in the bin/ of a sys.path directory")
     parts = [p for p in args.parts.split(",") if p]
     unknown = {p for p in parts if split_label(p)[0] not in ALL_PARTS}
     if unknown:

@@ -154,7 +154,8 @@ def busiest_pids(before: CpuSnapshot, after: CpuSnapshot, count: int, exclude: s
 # --- where a Python process spends its time: py-spy -----------------------------------------------------------------
 
 def find_py_spy() -> str | None:
-    """The py-spy binary: on PATH, or inside an unpacked py_spy wheel on sys.path (the GPU machine's site dir)."""
+    """The py-spy binary: on PATH, in the `bin/` of a `pip install --target` dir on sys.path (the GPU machine's
+    site dir), or inside an unpacked py_spy wheel there."""
     import glob
     import sys
 
@@ -162,9 +163,12 @@ def find_py_spy() -> str | None:
     if exe:
         return exe
     for entry in sys.path:
-        for found in glob.glob(os.path.join(entry or ".", "py_spy-*.data", "scripts", "py-spy")):
-            os.chmod(found, 0o755)
-            return found
+        candidates = [os.path.join(entry or ".", "bin", "py-spy"),
+                      *glob.glob(os.path.join(entry or ".", "py_spy-*.data", "scripts", "py-spy"))]
+        for found in candidates:
+            if os.path.isfile(found):
+                os.chmod(found, 0o755)
+                return found
     return None
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from loadtest.resources import GpuUtilisation, cpu_percent, cpu_snapshot, process_kind
 
 BUSY = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
@@ -95,6 +97,26 @@ def test_py_spy_names_where_a_busy_process_spends_its_time(tmp_path):
     inclusive = dict(summary["inclusive"])
     assert inclusive["work (<string>)"] > 90 and inclusive["<module> (<string>)"] > 90
     assert summarise_stacks(str(tmp_path / "missing.txt")) == {"samples": 0}
+
+
+def test_py_spy_is_found_where_pip_install_target_puts_it(tmp_path, monkeypatch):
+    """The GPU machine installs wheels with `pip install --target /tmp/site`: the binary is /tmp/site/bin/py-spy,
+    not on PATH (a device call's profiles came back empty). A bench run that asks for stacks without py-spy stops."""
+    import loadtest.bench_gpu as bench_gpu
+    from loadtest.resources import find_py_spy
+
+    site = tmp_path / "site"
+    (site / "bin").mkdir(parents=True)
+    (site / "bin" / "py-spy").write_text("#!/bin/sh\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "nothing"), str(site)])
+    assert find_py_spy() == str(site / "bin" / "py-spy")
+    assert os.access(site / "bin" / "py-spy", os.X_OK)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "nothing")])
+    assert find_py_spy() is None
+    with pytest.raises(SystemExit) as stopped:
+        bench_gpu.main(["--tiny", "--parts", "raw", "--py-spy", "4", "--plan-only", "--out", str(tmp_path / "o")])
+    assert stopped.value.code == 2
 
 
 def test_py_spy_native_names_the_c_function_under_a_python_line(tmp_path):
