@@ -154,8 +154,9 @@ def busiest_pids(before: CpuSnapshot, after: CpuSnapshot, count: int, exclude: s
 # --- where a Python process spends its time: py-spy -----------------------------------------------------------------
 
 def find_py_spy() -> str | None:
-    """The py-spy binary: on PATH, in the `bin/` of a `pip install --target` dir on sys.path (the GPU machine's
-    site dir), or inside an unpacked py_spy wheel there."""
+    """The py-spy binary: on PATH, in the `bin/` of a `pip install --target` dir on sys.path, or inside an unpacked
+    py_spy wheel there. (Wheels installed one by one with `--target DIR --upgrade` each replace DIR/bin, so on the
+    GPU machine py-spy goes into a target dir of its own: docs/BENCHMARKS.md, "How to run on the H200".)"""
     import glob
     import sys
 

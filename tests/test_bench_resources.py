@@ -100,8 +100,8 @@ def test_py_spy_names_where_a_busy_process_spends_its_time(tmp_path):
 
 
 def test_py_spy_is_found_where_pip_install_target_puts_it(tmp_path, monkeypatch):
-    """The GPU machine installs wheels with `pip install --target /tmp/site`: the binary is /tmp/site/bin/py-spy,
-    not on PATH (a device call's profiles came back empty). A bench run that asks for stacks without py-spy stops."""
+    """`pip install --target DIR` puts the binary in DIR/bin, not on PATH. A bench run that asks for stacks without
+    py-spy stops before it starts anything (a device call's profiles once came back empty)."""
     import loadtest.bench_gpu as bench_gpu
     from loadtest.resources import find_py_spy
 
