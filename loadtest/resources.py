@@ -156,7 +156,7 @@ def busiest_pids(before: CpuSnapshot, after: CpuSnapshot, count: int, exclude: s
 def find_py_spy() -> str | None:
     """The py-spy binary: on PATH, in the `bin/` of a `pip install --target` dir on sys.path, or inside an unpacked
     py_spy wheel there. (Wheels installed one by one with `--target DIR --upgrade` each replace DIR/bin, so on the
-    GPU machine py-spy goes into a target dir of its own: docs/BENCHMARKS.md, "How to run on the H200".)"""
+    GPU machine py-spy goes into a target dir of its own: docs/BENCHMARKS.md, "How the lead runs it".)"""
     import glob
     import sys
 
