@@ -79,7 +79,6 @@ def test_policy_reads_the_worst_replica_p95():
 
 # the deployment holding the engines, per serve_topology (colocated: the replicas also answer HTTP)
 ENGINE_DEPLOYMENTS = {"split": ENGINE_DEPLOYMENT, "colocated": COLOCATED_DEPLOYMENT}
-ENGINE = ENGINE_DEPLOYMENT
 
 
 def chart_autoscaling_args() -> dict:
@@ -99,18 +98,18 @@ def chart_autoscaling_args() -> dict:
     }
 
 
-def engine_replicas(deployment: str = ENGINE) -> dict[str, int]:
+def engine_replicas(deployment: str) -> dict[str, int]:
     from ray import serve
 
     app = serve.status().applications["ocr"]
     return {str(k): v for k, v in app.deployments[deployment].replica_states.items()}
 
 
-def running(deployment: str = ENGINE) -> int:
+def running(deployment: str) -> int:
     return engine_replicas(deployment).get("RUNNING", 0)
 
 
-def wait_for(predicate, timeout_s: float, what: str, deployment: str = ENGINE) -> float:
+def wait_for(predicate, timeout_s: float, what: str, deployment: str) -> float:
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         if predicate():
