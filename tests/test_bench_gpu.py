@@ -249,6 +249,29 @@ def test_service_is_compared_with_the_best_raw_server_at_each_concurrency(tmp_pa
     assert "raw_api4" in bench.report() and "0.95 (Little 0.941) (service_x2/raw_api4)" in bench.report()
 
 
+def test_each_server_reports_its_best_throughput_within_the_goals_p95_bound(tmp_path):
+    """The goals are throughput at a p95 bound (ID card: 160/s with p95 ≤ 500 ms): the peak alone may come from a step
+    far over the bound, so each server also names its best step that kept p95 within it and had no errors."""
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
+    bench.prepare()
+
+    bench.results["parts"] = {
+        "raw": _id_card_steps((16, 40.0, 400.0), (32, 60.0, 520.0), (128, 64.0, 2000.0)),
+        "service": _id_card_steps((16, 41.0, 390.0), (24, 50.0, 480.0), (32, 62.0, 510.0)),
+        "service_x2": _id_card_steps((64, 70.0, 1800.0)),
+    }
+    bench.results["parts"]["service"]["id_card"]["steps"][1]["errors"] = 3  # fast, but not all answered
+    bench.analyse()
+    peak = bench.results["analysis"]["id_card"]["peak"]
+    assert peak["raw"]["level"] == 128 and peak["raw"]["within_slo"]["level"] == 16
+    assert peak["raw"]["within_slo"]["docs_per_s_little"] == 40.0
+    assert peak["service"]["within_slo"]["level"] == 16  # 24 kept p95 but lost requests; 32 went over 500 ms
+    assert "within_slo" not in peak["service_x2"]
+    report = bench.report()
+    assert "id_card, p95 ≤ 500 ms: raw 40 @ 16 (p95 400)" in report
+    assert "id_card, p95 ≤ 500 ms: service_x2 none of its steps" in report
+
+
 def test_labelled_servers_are_compared_with_their_own_kind_and_with_themselves_unlabelled(tmp_path):
     bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
     bench.prepare()
