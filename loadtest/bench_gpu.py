@@ -338,6 +338,22 @@ def roofline_docs_per_s(flops: dict[str, float], tflops: float, gb_per_s: float 
     return 1 / (compute_s + decode_s)
 
 
+def latency_bound_docs_per_s(flops: dict[str, float], tflops: float, decode_s_per_token: float,
+                             output_tokens: int, slo_s: float) -> float:
+    """Documents/s one engine could serve with each document's latency within `slo_s` (the goals are throughput at
+    a p95 bound), if its ViT and prefill ran at `tflops` and each decode step took at least `decode_s_per_token`
+    (the step time measured at the lowest concurrency). One engine runs its steps one after another, so other
+    documents' ViT and prefill (`e` seconds each, λ of them per second) take λ·e of every second, and a document's
+    output_tokens − 1 decode steps stretch to (T − 1)·s_d ÷ (1 − λ·e). Its latency e + that ≤ slo_s gives
+    λ ≤ (1 − (T − 1)·s_d ÷ (slo_s − e)) ÷ e. An estimate from above: steps grow with the batch and real kernels
+    run below the matmul rate."""
+    encode_s = (flops["vit_tflop"] + flops["prefill_tflop"]) / tflops
+    left = slo_s - encode_s
+    if left <= 0:
+        return 0.0
+    return max(0.0, (1 - (output_tokens - 1) * decode_s_per_token / left) / encode_s)
+
+
 # --- parts ----------------------------------------------------------------------------------------------------
 
 class Bench:
@@ -895,6 +911,17 @@ class Bench:
                         f"{roofline_docs_per_s(flops, tflops, gb_per_s, kv_bytes=1):.4g}")
             peaks = {}
             servers = [name for name in parts if base_part(name) in SERVER_PARTS]
+            # the decode step's floor: plain raw vLLM's mean decode time per token at its lowest concurrency
+            timed = sorted((s["level"], s["vllm_mean_ms"]["decode"]) for s in (parts.get("raw", {}).get(w.name)
+                                                                               or {}).get("steps", [])
+                           if "skipped" not in s and (s.get("vllm_mean_ms") or {}).get("decode"))
+            if tflops and timed and (w.job.max_tokens or 0) > 1:
+                level, decode_ms = timed[0]
+                per_token_s = decode_ms / 1000 / (w.job.max_tokens - 1)
+                bound = latency_bound_docs_per_s(flops, tflops, per_token_s, w.job.max_tokens, w.slo_ms / 1000)
+                entry["latency_bound_docs_per_s"] = float(f"{bound:.4g}")
+                entry["latency_bound_inputs"] = {"decode_ms_per_token": round(per_token_s * 1000, 3),
+                                                 "at_level": level, "slo_ms": w.slo_ms}
             for name in servers:
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
                 if steps:
@@ -1037,6 +1064,14 @@ class Bench:
                                       + (f"{throughput(w):g} @ {w['level']:g} (p95 {w['latency_ms_p95']:g})" if w
                                          else "none of its steps")
                                       for name, slo, server, w in bounded)]
+            estimated = [(name, a) for name, a in analysis.items() if "latency_bound_docs_per_s" in a]
+            if estimated:
+                lines += ["", "One engine's estimated limit within the goal's latency bound (ViT and prefill at the "
+                          "measured TFLOP/s, decode steps at raw's per-token time at its lowest concurrency; "
+                          "`latency_bound_docs_per_s`): " + "; ".join(
+                              f"{name}: {a['latency_bound_docs_per_s']:g} docs/s at ≤ {a['slo_ms']:g} ms "
+                              f"({a['latency_bound_inputs']['decode_ms_per_token']:g} ms per token at "
+                              f"{a['latency_bound_inputs']['at_level']:g} clients)" for name, a in estimated)]
             labelled = [(name, c) for name, a in analysis.items() for c in a.get("label_vs_plain", [])]
             if labelled:
                 lines += ["", "Engine variants against the same server without them: " + "; ".join(

@@ -272,6 +272,39 @@ def test_each_server_reports_its_best_throughput_within_the_goals_p95_bound(tmp_
     assert "id_card, p95 ≤ 500 ms: service_x2 none of its steps" in report
 
 
+def test_latency_bound_estimate_for_one_engine():
+    """λ ≤ (1 − (T − 1)·s_d ÷ (L − e)) ÷ e: the A4 page (ViT 16.34 + prefill 2.34 TFLOP at 677 TFLOP/s, 512 tokens
+    at 3.05 ms per decode step, p95 ≤ 3 s) gives about 17 pages/s, below the goal's 25 even at the matmul rate."""
+    a4 = {"vit_tflop": 16.34, "prefill_tflop": 2.34}
+    assert bench_gpu.latency_bound_docs_per_s(a4, 677.0, 3.05e-3, 512, 3.0) == pytest.approx(17.24, abs=0.01)
+    # no decode time: only the encode work is left, 1 ÷ e
+    assert bench_gpu.latency_bound_docs_per_s(a4, 677.0, 0.0, 512, 3.0) == pytest.approx(677.0 / 18.68)
+    # decode alone longer than the bound, or the encode alone: nothing fits
+    assert bench_gpu.latency_bound_docs_per_s(a4, 677.0, 6e-3, 512, 3.0) == 0.0
+    assert bench_gpu.latency_bound_docs_per_s(a4, 1.0, 0.0, 512, 3.0) == 0.0
+
+
+def test_analysis_estimates_the_latency_bound_from_raws_lowest_concurrency(tmp_path):
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
+    bench.prepare()
+
+    bench.results["parts"] = {
+        "raw": _id_card_steps((8, 21.0, 366.0), (16, 28.0, 534.0)),
+        "matmul": {"tflops": 677.0, "memory_gb_per_s": 4211.0, "dtype": "bfloat16", "n": 8192, "device": "cuda"},
+    }
+    steps = bench.results["parts"]["raw"]["id_card"]["steps"]
+    steps[0]["vllm_mean_ms"] = {"e2e": 352.0, "decode": 189.0}
+    steps[1]["vllm_mean_ms"] = {"e2e": 530.0, "decode": 262.0}  # not the floor: more clients, longer steps
+    bench.analyse()
+    a = bench.results["analysis"]["id_card"]
+    assert a["latency_bound_inputs"] == {"decode_ms_per_token": 3.0, "at_level": 8, "slo_ms": 500.0}
+    flops = a["flops_per_doc"]
+    assert a["latency_bound_docs_per_s"] == pytest.approx(
+        bench_gpu.latency_bound_docs_per_s(flops, 677.0, 3e-3, 64, 0.5), rel=1e-3)
+    assert 50 < a["latency_bound_docs_per_s"] < a["roofline_docs_per_s"]
+    assert "id_card: " in bench.report() and "ms per token at 8 clients" in bench.report()
+
+
 def test_labelled_servers_are_compared_with_their_own_kind_and_with_themselves_unlabelled(tmp_path):
     bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
     bench.prepare()
