@@ -912,11 +912,11 @@ class Bench:
             peaks = {}
             servers = [name for name in parts if base_part(name) in SERVER_PARTS]
             # the decode step's floor: plain raw vLLM's mean decode time per token at its lowest concurrency
-            timed = sorted((s["level"], s["vllm_mean_ms"]["decode"]) for s in (parts.get("raw", {}).get(w.name)
-                                                                               or {}).get("steps", [])
-                           if "skipped" not in s and (s.get("vllm_mean_ms") or {}).get("decode"))
-            if tflops and timed and (w.job.max_tokens or 0) > 1:
-                level, decode_ms = timed[0]
+            raw_sweep = (parts.get("raw", {}).get(w.name) or {}).get("steps", [])
+            decode_by_level = sorted((s["level"], s["vllm_mean_ms"]["decode"]) for s in raw_sweep
+                                     if "skipped" not in s and (s.get("vllm_mean_ms") or {}).get("decode"))
+            if tflops and decode_by_level and (w.job.max_tokens or 0) > 1:
+                level, decode_ms = decode_by_level[0]
                 per_token_s = decode_ms / 1000 / (w.job.max_tokens - 1)
                 bound = latency_bound_docs_per_s(flops, tflops, per_token_s, w.job.max_tokens, w.slo_ms / 1000)
                 entry["latency_bound_docs_per_s"] = float(f"{bound:.4g}")
