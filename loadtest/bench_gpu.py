@@ -803,8 +803,15 @@ class Bench:
             await run.warm_up(arm.base_url, arm.target, arm.requests, count=8, concurrency=1,
                               timeout_s=self.args.request_timeout_s, fresh_connections=True)
         seconds = max(5.0, min(self.args.pair_s, self.left() - 40))
+        # raw servers report no timings per answer: their own histograms, around the rounds, say where it went
+        raw_arms = [arm for arm in arms if isinstance(arm.target, run.OpenAIChatTarget)]
+        before = {arm.name: await asyncio.to_thread(vllm_histograms, arm.base_url) for arm in raw_arms}
         rounds = await run.run_paired(arms, seconds, timeout_s=self.args.request_timeout_s)
         entry.update(seconds=round(seconds, 1), **run.paired_summary(rounds, [arm.name for arm in arms]))
+        for arm in raw_arms:
+            after = await asyncio.to_thread(vllm_histograms, arm.base_url)
+            if entry["arms"].get(arm.name) is not None and after:
+                entry["arms"][arm.name]["vllm_mean_ms"] = histogram_means(before[arm.name], after)
         for name, arm in entry["arms"].items():
             self.log(f"pair {name}: p50 {arm['p50_ms']} ms, mean {arm['mean_ms']}, p95 {arm['p95_ms']}, "
                      f"errors {arm['errors']}")
@@ -1108,6 +1115,17 @@ class Bench:
                           "reports; two engines on one GPU differ by a few ms, and this leaves that out): " + "; ".join(
                               "{} median {}, mean {}".format(pair_name, *run.difference_text(d, " ms"))
                               for pair_name, d in pair["outside_engine"].items())]
+        per_token = [(s["label"], s["level"], decode_per_token(s)) for s in self.steps]
+        per_token += [(f"{name}/{pair['workload']}", "pair", decode_per_token(a))
+                      for name, a in (pair.get("arms") or {}).items()]
+        per_token = [(label, level, d) for label, level, d in per_token if d]
+        if per_token:
+            lines += ["", "Decode per output token (ms, means over the answers; `engine core`: vLLM's own first-to-last "
+                      "token time ÷ (tokens − 1), from a raw server's histograms or our engine's `generate`; `seen`: "
+                      "the same span as our engine replica received it, (engine − first token) ÷ (tokens − 1); "
+                      "`delivery`: ms from the engine core's last token to the replica): " + "; ".join(
+                          f"{label} @ {level if isinstance(level, str) else f'{level:g}'}: "
+                          + ", ".join(f"{k} {v:g}" for k, v in d.items()) for label, level, d in per_token)]
         listeners = {name: part["http_listener"] for name, part in r["parts"].items() if part.get("http_listener")}
         if listeners:
             lines += ["", "HTTP port held by: " + "; ".join(f"{name}: `{held}`" for name, held in listeners.items())]
@@ -1184,6 +1202,28 @@ def breakdown(step: dict[str, Any]) -> str:
     if means:
         return "vLLM mean: " + ", ".join(f"{k} {v:g}" for k, v in means.items())
     return "-"
+
+
+def decode_per_token(step: dict[str, Any]) -> dict[str, float]:
+    """A step's (or a pair arm's) decode time per output token, in ms, from means: `engine core` from vLLM's own
+    first-to-last token time (a raw server's histograms, our engine's `generate` stage), `seen` from our engine's
+    (engine − first token), which also holds the frontend's lag, and `delivery`, that lag at the last token. Empty
+    where the step has no such timings or fewer than two output tokens."""
+    tokens = step.get("output_tokens_mean")
+    if not tokens or tokens < 2:
+        return {}
+    steps = tokens - 1
+    means = step.get("stages_ms_mean") or {}
+    out: dict[str, float] = {}
+    vllm = step.get("vllm_mean_ms") or {}
+    core = vllm.get("decode") if vllm else means.get("generate")
+    if core is not None:
+        out["engine core"] = round(core / steps, 3)
+    if step.get("engine_ms_mean") is not None and means.get("first_token") is not None:
+        out["seen"] = round((step["engine_ms_mean"] - means["first_token"]) / steps, 3)
+    if means.get("delivery") is not None:
+        out["delivery"] = round(means["delivery"], 2)
+    return out
 
 
 def vllm_histograms(url: str) -> dict[str, tuple[float, float]]:

@@ -69,7 +69,7 @@ class Request:
 # --- targets ------------------------------------------------------------------------------------------------------
 
 
-BREAKDOWN_STAGES = ("decode", "queue", "preprocess", "first_token", "parse")
+BREAKDOWN_STAGES = ("decode", "queue", "preprocess", "first_token", "generate", "delivery", "parse")
 
 
 class Answer(NamedTuple):
@@ -399,6 +399,10 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
         # and where that time went (p50 per stage: queue before the engine, preprocess and first token inside it)
         "stages_ms_p50": {stage: r(percentile(values, 50)) for stage in BREAKDOWN_STAGES
                           if (values := [s.stages_ms[stage] for s in ok if s.stages_ms and stage in s.stages_ms])},
+        # the same as means, to set beside vLLM's own histograms (sums ÷ counts) of a raw server
+        "engine_ms_mean": r(float(np.mean(engine_ms)) if engine_ms else None),
+        "stages_ms_mean": {stage: r(float(np.mean(values))) for stage in BREAKDOWN_STAGES
+                           if (values := [s.stages_ms[stage] for s in ok if s.stages_ms and stage in s.stages_ms])},
         # the API handler's whole time and what lay outside it (the HTTP front end: proxy, connection, waiting there)
         "handler_ms_p50": r(percentile([s.handler_ms for s in ok if s.handler_ms is not None], 50)),
         "outside_handler_ms_p50": r(percentile([s.latency_s * 1000 - s.handler_ms for s in ok
@@ -520,7 +524,14 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
             "mean_ms": _round(float(np.mean(latencies)) if latencies else None),
             "p95_ms": _round(percentile(latencies, 95)), "engine_p50_ms": _round(percentile(engine, 50)),
             "engine_hop_p50_ms": _round(percentile(hop, 50)), "handler_p50_ms": _round(percentile(handler, 50)),
-            "outside_handler_p50_ms": _round(percentile(outside, 50))}
+            "outside_handler_p50_ms": _round(percentile(outside, 50)),
+            # means, to set beside a raw server's own histograms (bench_gpu.decode_per_token)
+            "output_tokens_mean": _round(float(np.mean(tokens)) if (tokens := [s.output_tokens for s in samples
+                                                                              if s.output_tokens]) else None),
+            "engine_ms_mean": _round(float(np.mean(engine)) if engine else None),
+            "stages_ms_mean": {stage: _round(float(np.mean(values))) for stage in BREAKDOWN_STAGES
+                               if (values := [s.stages_ms[stage] for s in samples
+                                              if s.stages_ms and stage in s.stages_ms])}}
     rng = random.Random(seed)
 
     def interval(deltas: np.ndarray) -> dict[str, Any]:

@@ -39,7 +39,7 @@ CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0
 
 # Routes counted in `ocr_requests_total` (path prefix -> `endpoint` label); health probes are not requests.
 COUNTED_ENDPOINTS = {"/v1/ocr": "ocr", "/v1/jobs": "jobs"}
-STAGES = ("decode", "queue", "engine", "preprocess", "first_token", "parse")
+STAGES = ("decode", "queue", "engine", "preprocess", "first_token", "generate", "delivery", "parse")
 AUTOSCALING_SETTINGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "latency_target_seconds")
 # Ray's metrics agent drops a gauge series that was not re-reported for 2 report intervals (2 x 10 s), and a process
 # reports only values set since its last report: gauges are re-set this often so idle replicas keep their series.
@@ -92,7 +92,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("ocr_stage_duration_seconds", "histogram", "ingress",
                "Per-stage latency of successful pages: decode (admission CPU work), queue (waiting for an engine "
                "replica), engine (inside the engine; the vLLM engine also reports preprocess: image decode + HF "
-               "processor, and first_token: engine start to first output, both inside engine), parse.",
+               "processor, first_token: engine start to first output, generate: the engine core's first to last token, "
+               "delivery: its last token to the engine seeing it, all inside engine), parse.",
                ("task", "stage"), LATENCY_BUCKETS_S),
     MetricSpec("ocr_pages", "counter", "ingress", "Pages recognised; source = image | pdf.", ("task", "source")),
     MetricSpec("ocr_image_tokens", "counter", "ingress", "Image tokens sent to the model (VLM engines).", ("task",)),

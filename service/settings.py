@@ -154,6 +154,13 @@ class Settings(BaseSettings):
         "core it spins threads against the frontend's: on the H200 raw `vllm serve` served 1.25x the ID cards/s with "
         "1 thread (docs/BENCHMARKS.md). 0 = inherit the environment (Ray sets floor(engine_num_cpus))."
     )
+    engine_stream_interval: int = Field(
+        1, ge=1, le=256, description="Output tokens the vLLM engine gathers before it hands a request's output to "
+        "the engine replica (vLLM `stream_interval`; the first and the last token go at once). 1 = every decode "
+        "step: the replica detokenizes, checks for repetition and, for streams, sends each token as it comes. "
+        "More: fewer hand-overs per page on the replica's event loop, and a stream's text in pieces of that many "
+        "tokens; the repetition guard then acts up to that many tokens later."
+    )
     max_output_tokens: int = Field(
         2048, ge=1, description="Default and upper bound of output tokens per request (budgeted with the image)."
     )

@@ -78,6 +78,21 @@ def test_breakdown_names_where_the_time_went():
     assert bench_gpu.breakdown({}) == "-"
 
 
+def test_decode_per_token_sets_raws_histograms_beside_our_engines_own_timings():
+    """Per output token after the first: raw's vLLM decode mean, our engine's `generate` mean (both the engine
+    core's clock), the span our replica saw (engine − first token) and the last token's delivery lag."""
+    raw = {"output_tokens_mean": 512.0, "vllm_mean_ms": {"e2e": 2028.5, "decode": 1656.3, "first_token": 362.1}}
+    assert bench_gpu.decode_per_token(raw) == {"engine core": round(1656.3 / 511, 3)}
+    ours = {"output_tokens_mean": 512.0, "engine_ms_mean": 2205.7,
+            "stages_ms_mean": {"first_token": 409.6, "generate": 1660.0, "delivery": 3.25}}
+    assert bench_gpu.decode_per_token(ours) == {"engine core": round(1660 / 511, 3),
+                                                "seen": round((2205.7 - 409.6) / 511, 3), "delivery": 3.25}
+    # a server without timings, one output token, or a skipped step: nothing to say
+    assert bench_gpu.decode_per_token({"output_tokens_mean": 64.0}) == {}
+    assert bench_gpu.decode_per_token({**ours, "output_tokens_mean": 1.0}) == {}
+    assert bench_gpu.decode_per_token({"skipped": "time budget"}) == {}
+
+
 def test_roofline_flops_of_an_a4_page_match_the_hand_count():
     """HunyuanOCR-1.5 shape, A4 1240×1754: 110×78 = 8,580 patches. Hand count (multiply-add = 2 FLOPs):
     ViT per layer 2·N·(4d² + 2·d·dff) + 4·N²·d with d 1152, dff 4304, 27 layers ≈ 16.2 TFLOP (+ patch embedding
@@ -758,6 +773,17 @@ def test_pair_runs_raw_service_and_direct_at_once_on_real_vllm_cpu_engines(tmp_p
     assert set(pair["differences"]) == {"service", "direct"} and set(pair["between"]) == {"direct − service"}
     assert all(len(v) == pair["complete_rounds"] for v in pair["rounds_ms"].values())
     assert "Side by side, one client" in (out / "report.md").read_text()
+    # where the decode time went, on each server's own clock: raw's histograms around the rounds, our engine's
+    # request stats (the service keeps them: Ray metrics on; direct runs without Ray and has none)
+    tokens = pair["arms"]["raw"]["output_tokens_mean"]
+    assert tokens > 1 and pair["arms"]["service"]["output_tokens_mean"] == tokens
+    assert pair["arms"]["raw"]["vllm_mean_ms"]["decode"] > 0
+    assert pair["arms"]["service"]["stages_ms_mean"]["generate"] > 0
+    assert pair["arms"]["service"]["stages_ms_mean"]["delivery"] >= 0
+    assert "generate" not in pair["arms"]["direct"]["stages_ms_mean"]
+    report = (out / "report.md").read_text()
+    assert "Decode per output token" in report and "raw/id_card @ pair: engine core " in report
+    assert "service/id_card @ pair: engine core " in report
     parts = json.loads((out / "results.json").read_text())["parts"]
     assert parts["service"]["http_listener"] == "ray::ProxyActor" and "http_listener" not in parts["direct"]
     logs = sorted(p.name for p in (out / "logs").glob("*.log"))

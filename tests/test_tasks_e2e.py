@@ -95,6 +95,11 @@ def test_task_end_to_end(client, validate, page_b64, task):
     # the engine's own breakdown: image preprocessing, then the first output, both inside the engine's time
     timings = body["timings_ms"]
     assert 0 < timings["preprocess"] < timings["first_token"] <= timings["engine"] < timings["total"]
+    # and vLLM's own clock (its request stats, kept with Ray metrics on; a generation the guard cut has them too):
+    # the engine core's first to last token and the last token's way to the replica, both after preprocessing
+    assert body["usage"]["output_tokens"] > 1
+    assert 0 < timings["generate"] < timings["engine"] - timings["preprocess"]
+    assert 0 <= timings["delivery"] < timings["engine"] - timings["preprocess"]
 
 
 def test_field_confidences_follow_the_formula(client, validate, page_b64):

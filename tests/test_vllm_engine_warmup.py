@@ -45,7 +45,8 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
     # the processor cache, stays here either way
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024,
-                                 max_num_seqs=4, kv_cache_memory_gb=0.25, image_processor_backend="torchvision"))
+                                 max_num_seqs=4, kv_cache_memory_gb=0.25, image_processor_backend="torchvision",
+                                 engine_stream_interval=3))
     await engine.start()
     try:
         at_start = len(builds)  # vLLM's own start-up builds one too (its defaults, for memory profiling)
@@ -113,6 +114,18 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
             max_tokens=6, logprobs=False, image_png=doc.png()))]
         assert sum(d.token_count for d in deltas) == deltas[-1].final.output_tokens > 0
 
+        # engine_stream_interval 3: vLLM hands over the first token, then every third, then the last, so 8 tokens
+        # come in at most 4 outputs (every token would be 8), and nothing is lost on the way
+        assert engine._llm.vllm_config.scheduler_config.stream_interval == 3
+        deltas = [d async for d in engine.stream(EngineRequest(
+            request_id="interval", task="text", width=image.width, height=image.height, prompt="Read it.",
+            max_tokens=8, min_tokens=8, ignore_eos=True, image_png=doc.png()))]
+        final = deltas[-1].final
+        assert final.output_tokens == 8 == sum(d.token_count for d in deltas)
+        assert 2 <= len(deltas) - 1 <= 4 and deltas[0].token_count == 1
+        assert "".join(d.text for d in deltas) == final.text
+        assert [t.token for d in deltas[:-1] for t in d.tokens or []] == [t.token for t in final.tokens]
+
         # a bare PNG whose pixel stream does not decode or ends before the last row (the ingress leaves such a
         # file's pixels to the engine, png_pixel_check: engine) is the client's `invalid_image`, raised before vLLM
         # sees anything; and a PNG of exactly the admitted rows still gives the same tokens afterwards
@@ -134,3 +147,22 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
     finally:
         await engine.shutdown()
 
+
+
+def test_engine_core_timings_come_from_vllms_request_stats_on_one_clock():
+    """generate: the engine core's first to last token; delivery: from that last token to this process seeing the
+    output (both CLOCK_MONOTONIC on Linux). No stats (vLLM keeps none without a stat logger), no first token, or
+    a stamp later than the arrival: nothing, rather than a wrong number."""
+    from types import SimpleNamespace
+
+    from service.engine.vllm_engine import engine_core_timings
+
+    def output(first, last):
+        return SimpleNamespace(metrics=SimpleNamespace(first_token_ts=first, last_token_ts=last))
+
+    timings = engine_core_timings(output(100.0, 101.5), seen_monotonic=101.504)
+    assert timings["generate_ms"] == pytest.approx(1500.0) and timings["delivery_ms"] == pytest.approx(4.0)
+    assert engine_core_timings(output(100.0, 101.5), seen_monotonic=101.0) == {"generate_ms": pytest.approx(1500)}
+    assert engine_core_timings(output(0.0, 0.0), seen_monotonic=5.0) == {}
+    assert engine_core_timings(SimpleNamespace(metrics=None), seen_monotonic=5.0) == {}
+    assert engine_core_timings(None, seen_monotonic=5.0) == {}

@@ -287,8 +287,10 @@ async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tu
 
 
 def engine_stage_timings(result: EngineResult) -> dict[str, float]:
-    """The parts of `engine` the engine measured itself (VLM engines): preprocess and time to first token."""
-    stages = {"preprocess": result.preprocess_ms, "first_token": result.first_token_ms}
+    """The parts of `engine` the engine measured itself (VLM engines): preprocess, time to first token, the engine
+    core's first-to-last token time (generate) and how long its last token took to reach the engine (delivery)."""
+    stages = {"preprocess": result.preprocess_ms, "first_token": result.first_token_ms,
+              "generate": result.generate_ms, "delivery": result.delivery_ms}
     return {name: ms for name, ms in stages.items() if ms is not None}
 
 

@@ -143,6 +143,7 @@ class VLLMEngine:
             limit_mm_per_prompt={"image": 1},
             mm_processor_cache_gb=0,  # every page is new; the cache also forbids more than one renderer thread
             renderer_num_workers=s.preprocess_workers,  # the processor backend goes with each request (stream())
+            stream_interval=s.engine_stream_interval,
             distributed_executor_backend="uni",
             # stats go only to the stat loggers passed in start() (Ray metrics); no periodic stats log lines
             disable_log_stats=True,
@@ -375,9 +376,12 @@ class VLLMEngine:
         unsent_tokens = 0  # generated since the last delta (tokens that decode to no text yet)
         finish_reason = "stop"
         completed = False
+        last_output = None  # the latest RequestOutput, with vLLM's request stats when it keeps them
+        last_seen = 0.0  # time.monotonic() when it arrived here
         generator = llm.generate(engine_input, params, request_id, lora_request=lora)
         try:
             async for output in generator:
+                last_output, last_seen = output, time.monotonic()
                 if first_token_ms is None:
                     first_token_ms = (time.perf_counter() - started) * 1000
                 if output.prompt_token_ids and not prompt_ids:
@@ -425,7 +429,24 @@ class VLLMEngine:
             image_tokens=image_tokens if prompt_ids else 0, output_tokens=output_tokens,
             engine_ms=(time.perf_counter() - started) * 1000, preprocess_ms=preprocess_ms,
             first_token_ms=first_token_ms, rendered_prompt=prompt,
+            **engine_core_timings(last_output, last_seen),
         ))
+
+
+def engine_core_timings(output, seen_monotonic: float) -> dict[str, float]:
+    """generate_ms and delivery_ms of a request, up to its last output (a generation the guard cut too), from vLLM's
+    request stats (`RequestOutput.metrics`, kept when the engine logs stats: with Ray metrics on), else nothing. The
+    engine core stamps its outputs with time.monotonic(), CLOCK_MONOTONIC on Linux: one clock for every process of
+    the host, so its last token's stamp and this process's arrival time subtract. A stamp that is missing or later
+    than the arrival (another clock) gives no value rather than a wrong one."""
+    stats = getattr(output, "metrics", None)
+    first, last = getattr(stats, "first_token_ts", 0.0) or 0.0, getattr(stats, "last_token_ts", 0.0) or 0.0
+    if not (0.0 < first <= last):
+        return {}
+    timings = {"generate_ms": (last - first) * 1000}
+    if last <= seen_monotonic:
+        timings["delivery_ms"] = (seen_monotonic - last) * 1000
+    return timings
 
 
 def _token_logprobs(completion, special_ids: set[int]) -> list[TokenLogprob]:
