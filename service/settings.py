@@ -159,7 +159,9 @@ class Settings(BaseSettings):
         "the engine replica (vLLM `stream_interval`; the first and the last token go at once). 1 = every decode "
         "step: the replica detokenizes, checks for repetition and, for streams, sends each token as it comes. "
         "More: fewer hand-overs per page on the replica's event loop, and a stream's text in pieces of that many "
-        "tokens; the repetition guard then acts up to that many tokens later."
+        "tokens; the repetition guard then acts up to that many tokens later. On the H200 our replica kept up with "
+        "every token (the last one arrived 1-26 ms after the engine core made it) and 16 changed nothing "
+        "measurable (docs/BENCHMARKS.md, eighteenth session)."
     )
     max_output_tokens: int = Field(
         2048, ge=1, description="Default and upper bound of output tokens per request (budgeted with the image)."
