@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     engine_stream_interval: int = Field(
         1, ge=1, le=256, description="Output tokens the vLLM engine gathers before it hands a request's output to "
         "the engine replica (vLLM `stream_interval`; the first and the last token go at once). 1 = every decode "
-        "step: the replica detokenizes, checks for repetition and, for streams, sends each token as it comes. "
+        "step: the replica takes each token as it comes (its repetition check; a stream's next piece). "
         "More: fewer hand-overs per page on the replica's event loop, and a stream's text in pieces of that many "
         "tokens; the repetition guard then acts up to that many tokens later. On the H200 our replica kept up with "
         "every token (the last one arrived 1-26 ms after the engine core made it) and 16 changed nothing "

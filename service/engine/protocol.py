@@ -93,7 +93,7 @@ class EngineResult(BaseModel):
     generate_ms: float | None = Field(None, description="First to last output token as the vLLM engine core timed "
                                       "them (vLLM's own decode time), inside engine_ms.")
     delivery_ms: float | None = Field(None, description="From the engine core's last token to this engine seeing "
-                                      "the final output: what the frontend (detokenizing, logprobs, the per-request "
+                                      "that output: what the frontend (detokenizing, logprobs, the per-request "
                                       "queue) lags behind the GPU work, inside engine_ms.")
     rendered_prompt: str | None = Field(None, description="Full prompt as sent to the model (VLM engines; debug).")
 
