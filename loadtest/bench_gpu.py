@@ -326,12 +326,17 @@ def page_flops(config: dict[str, Any], preprocessor: dict[str, Any], width: int,
             "decode_kv_gb": decode_kv_bytes / 1e9}
 
 
+def encode_s(flops: dict[str, float], tflops: float) -> float:
+    """Seconds of one document's vision tower and prefill at `tflops` (the work before its first token)."""
+    return (flops["vit_tflop"] + flops["prefill_tflop"]) / tflops
+
+
 def roofline_docs_per_s(flops: dict[str, float], tflops: float, gb_per_s: float | None,
                         kv_bytes: int = 2) -> float:
     """Documents/s if the GPU did nothing but this document's work at the measured rates: the ViT and prefill at
     `tflops`; decode at the slower of its FLOPs and its KV-cache reads (`kv_bytes` per value: 2 bf16, 1 fp8) at
     `gb_per_s`. Without a bandwidth, the compute-only bound."""
-    compute_s = (flops["vit_tflop"] + flops["prefill_tflop"]) / tflops
+    compute_s = encode_s(flops, tflops)
     decode_s = flops["decode_tflop"] / tflops
     if gb_per_s:
         decode_s = max(decode_s, flops["decode_kv_gb"] * kv_bytes / 2 / gb_per_s)
@@ -347,11 +352,11 @@ def latency_bound_docs_per_s(flops: dict[str, float], tflops: float, decode_s_pe
     output_tokens − 1 decode steps stretch to (T − 1)·s_d ÷ (1 − λ·e). Its latency e + that ≤ slo_s gives
     λ ≤ (1 − (T − 1)·s_d ÷ (slo_s − e)) ÷ e. An estimate from above: steps grow with the batch and real kernels
     run below the matmul rate."""
-    encode_s = (flops["vit_tflop"] + flops["prefill_tflop"]) / tflops
-    left = slo_s - encode_s
+    e = encode_s(flops, tflops)
+    left = slo_s - e
     if left <= 0:
         return 0.0
-    return max(0.0, (1 - (output_tokens - 1) * decode_s_per_token / left) / encode_s)
+    return max(0.0, (1 - (output_tokens - 1) * decode_s_per_token / left) / e)
 
 
 # --- parts ----------------------------------------------------------------------------------------------------
@@ -920,14 +925,14 @@ class Bench:
             servers = [name for name in parts if base_part(name) in SERVER_PARTS]
             # the decode step's floor: plain raw vLLM's mean decode time per token at its lowest concurrency
             raw_sweep = (parts.get("raw", {}).get(w.name) or {}).get("steps", [])
-            decode_by_level = sorted((s["level"], s["vllm_mean_ms"]["decode"]) for s in raw_sweep
-                                     if "skipped" not in s and (s.get("vllm_mean_ms") or {}).get("decode"))
+            decode_by_level = sorted((s["level"], per_token["engine core"]) for s in raw_sweep
+                                     if "engine core" in (per_token := decode_per_token(s)))
             if tflops and decode_by_level and (w.job.max_tokens or 0) > 1:
-                level, decode_ms = decode_by_level[0]
-                per_token_s = decode_ms / 1000 / (w.job.max_tokens - 1)
-                bound = latency_bound_docs_per_s(flops, tflops, per_token_s, w.job.max_tokens, w.slo_ms / 1000)
+                level, decode_ms_per_token = decode_by_level[0]
+                bound = latency_bound_docs_per_s(flops, tflops, decode_ms_per_token / 1000, w.job.max_tokens,
+                                                 w.slo_ms / 1000)
                 entry["latency_bound_docs_per_s"] = float(f"{bound:.4g}")
-                entry["latency_bound_inputs"] = {"decode_ms_per_token": round(per_token_s * 1000, 3),
+                entry["latency_bound_inputs"] = {"decode_ms_per_token": decode_ms_per_token,
                                                  "at_level": level, "slo_ms": w.slo_ms}
             for name in servers:
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]

@@ -397,12 +397,10 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
         # our API only: the engine's share of each answer; latency p50 minus this = the stack around the engine
         "engine_ms_p50": r(percentile(engine_ms, 50)),
         # and where that time went (p50 per stage: queue before the engine, preprocess and first token inside it)
-        "stages_ms_p50": {stage: r(percentile(values, 50)) for stage in BREAKDOWN_STAGES
-                          if (values := [s.stages_ms[stage] for s in ok if s.stages_ms and stage in s.stages_ms])},
+        "stages_ms_p50": per_stage(ok, lambda values: r(percentile(values, 50))),
         # the same as means, to set beside vLLM's own histograms (sums ÷ counts) of a raw server
         "engine_ms_mean": r(float(np.mean(engine_ms)) if engine_ms else None),
-        "stages_ms_mean": {stage: r(float(np.mean(values))) for stage in BREAKDOWN_STAGES
-                           if (values := [s.stages_ms[stage] for s in ok if s.stages_ms and stage in s.stages_ms])},
+        "stages_ms_mean": per_stage(ok, lambda values: r(float(np.mean(values)))),
         # the API handler's whole time and what lay outside it (the HTTP front end: proxy, connection, waiting there)
         "handler_ms_p50": r(percentile([s.handler_ms for s in ok if s.handler_ms is not None], 50)),
         "outside_handler_ms_p50": r(percentile([s.latency_s * 1000 - s.handler_ms for s in ok
@@ -496,6 +494,12 @@ async def run_paired(arms: list[Arm], duration_s: float, timeout_s: float = 900.
     return rounds
 
 
+def per_stage(samples: list[Sample], stat: Callable[[list[float]], Any]) -> dict[str, Any]:
+    """`stat` of each breakdown stage's times over the samples that report it (our API's timings_ms)."""
+    return {stage: stat(values) for stage in BREAKDOWN_STAGES
+            if (values := [s.stages_ms[stage] for s in samples if s.stages_ms and stage in s.stages_ms])}
+
+
 def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples: int = 2000, seed: int = 0
                    ) -> dict[str, Any]:
     """Per arm: latency p50/mean/p95 over the rounds every arm answered, and where the server reports its timings
@@ -529,9 +533,7 @@ def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples:
             "output_tokens_mean": _round(float(np.mean(tokens)) if (tokens := [s.output_tokens for s in samples
                                                                               if s.output_tokens]) else None),
             "engine_ms_mean": _round(float(np.mean(engine)) if engine else None),
-            "stages_ms_mean": {stage: _round(float(np.mean(values))) for stage in BREAKDOWN_STAGES
-                               if (values := [s.stages_ms[stage] for s in samples
-                                              if s.stages_ms and stage in s.stages_ms])}}
+            "stages_ms_mean": per_stage(samples, lambda values: _round(float(np.mean(values))))}
     rng = random.Random(seed)
 
     def interval(deltas: np.ndarray) -> dict[str, Any]:

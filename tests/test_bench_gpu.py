@@ -308,8 +308,9 @@ def test_analysis_estimates_the_latency_bound_from_raws_lowest_concurrency(tmp_p
         "matmul": {"tflops": 677.0, "memory_gb_per_s": 4211.0, "dtype": "bfloat16", "n": 8192, "device": "cuda"},
     }
     steps = bench.results["parts"]["raw"]["id_card"]["steps"]
-    steps[0]["vllm_mean_ms"] = {"e2e": 352.0, "decode": 189.0}
-    steps[1]["vllm_mean_ms"] = {"e2e": 530.0, "decode": 262.0}  # not the floor: more clients, longer steps
+    steps[0].update(vllm_mean_ms={"e2e": 352.0, "decode": 189.0}, output_tokens_mean=64.0)
+    # not the floor: more clients, longer steps
+    steps[1].update(vllm_mean_ms={"e2e": 530.0, "decode": 262.0}, output_tokens_mean=64.0)
     bench.analyse()
     a = bench.results["analysis"]["id_card"]
     assert a["latency_bound_inputs"] == {"decode_ms_per_token": 3.0, "at_level": 8, "slo_ms": 500.0}
