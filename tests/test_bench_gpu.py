@@ -321,6 +321,56 @@ def test_analysis_estimates_the_latency_bound_from_raws_lowest_concurrency(tmp_p
     assert "id_card: " in bench.report() and "ms per token at 8 clients" in bench.report()
 
 
+def test_batched_latency_bound_grows_the_decode_step_with_the_batch():
+    """With no growth per document it is the closed form above (steps of a fixed length); growth lowers it, the rate
+    it returns keeps the bound and 1 % more breaks it, and an engine whose encodes alone fill the GPU has none."""
+    e, a, tokens, slo = 0.033, 1.5e-3, 512, 3.0
+    fixed = (1 - (tokens - 1) * a / (slo - e)) / e
+    assert bench_gpu.batched_latency_bound_docs_per_s(e, a, 0.0, tokens, slo) == pytest.approx(fixed, rel=1e-6)
+    grown = bench_gpu.batched_latency_bound_docs_per_s(e, a, 0.048e-3, tokens, slo)
+    assert 0 < grown < fixed
+    assert bench_gpu.batched_latency_s(grown, e, a, 0.048e-3, tokens) <= slo
+    assert bench_gpu.batched_latency_s(grown * 1.01, e, a, 0.048e-3, tokens) > slo
+    # B = rate·L in flight: at the bound, L = e + (T − 1)·(a + b·B) ÷ (1 − rate·e)
+    latency = bench_gpu.batched_latency_s(grown, e, a, 0.048e-3, tokens)
+    assert latency == pytest.approx(e + (tokens - 1) * (a + 0.048e-3 * grown * latency) / (1 - grown * e))
+    assert bench_gpu.batched_latency_s(1 / e, e, a, 0.0, tokens) == float("inf")
+
+
+def _traced(level, batch, busy, prefill=None):
+    out = {"decode": {"batch_mean": batch, "gpu_busy_ms_mean": busy, "steps": 190, "wall_ms_mean": 3 * busy}}
+    if prefill:
+        out["with_prefill"] = {"gpu_busy_ms_mean": prefill[0], "prefill_tokens_mean": prefill[1], "steps": 3,
+                               "batch_mean": 1.0, "wall_ms_mean": 4 * prefill[0]}
+    return out
+
+
+def test_analysis_estimates_the_latency_bound_from_the_gpus_own_step_times(tmp_path):
+    """Part trace's levels (the H200's ID-card numbers, 2026-12-02): a decode step's fixed GPU time and its time per
+    document from the lowest and highest batch, one card's ViT + prefill from the one-client prefill step, scaled to
+    the prompt's tokens; the analysis and the report carry the bound."""
+    traced = {"1": _traced(1, 1.0, 1.428, prefill=(10.124, 746.0)), "16": _traced(16, 15.76, 1.637),
+              "8": {"error": "no trace file appeared"}}
+    costs = bench_gpu.traced_gpu_costs(traced, 746)
+    assert costs["decode_step_ms_per_doc"] == pytest.approx((1.637 - 1.428) / 14.76, abs=1e-5)
+    assert costs["decode_step_ms"] == pytest.approx(1.428 - costs["decode_step_ms_per_doc"], abs=1e-4)
+    assert costs["encode_ms"] == 10.124
+    assert bench_gpu.traced_gpu_costs({"1": traced["1"]}, 746) is None  # one batch size: no line
+    assert bench_gpu.traced_gpu_costs({"1": _traced(1, 1.0, 1.4), "16": traced["16"]}, 746) is None  # no prefill
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
+    bench.prepare()
+    bench.results["parts"] = {"trace": {"id_card": traced}}
+    bench.analyse()
+    a = bench.results["analysis"]["id_card"]
+    inputs = a["gpu_only_latency_bound_inputs"]
+    assert inputs["slo_ms"] == 500.0 and inputs["decode_step_ms"] == costs["decode_step_ms"]
+    assert inputs["encode_ms"] == pytest.approx(10.124 * a["flops_per_doc"]["prompt_tokens"] / 746, abs=1e-3)
+    assert a["gpu_only_latency_bound_docs_per_s"] == pytest.approx(bench_gpu.batched_latency_bound_docs_per_s(
+        inputs["encode_ms"] / 1000, inputs["decode_step_ms"] / 1000, inputs["decode_step_ms_per_doc"] / 1000,
+        bench.workloads[0].job.max_tokens, 0.5), rel=1e-3)
+    assert "as if the GPU never waited for the host" in bench.report()
+
+
 def test_labelled_servers_are_compared_with_their_own_kind_and_with_themselves_unlabelled(tmp_path):
     bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit")
     bench.prepare()
@@ -597,6 +647,32 @@ def test_paired_rounds_send_one_page_to_every_server_in_a_new_order_one_request_
         assert arm["handler_p50_ms"] == handler_ms and arm["outside_handler_p50_ms"] >= 12 - handler_ms - 0.1
 
 
+def test_closed_loop_clients_stop_when_asked_and_finish_their_requests(two_ocr_servers):
+    """`run_closed(stop=…)` (part trace keeps load on while it profiles): once the event is set no client sends
+    again, the requests in flight still get their answers, and the step lasts until then, not its duration."""
+    import asyncio
+    import time
+
+    urls, seen = two_ocr_servers
+    job, documents = run.WORKLOADS["id_card"][0], {"id_card": make_documents("id_card", 2)}
+    target = run.OCRTarget()
+    requests = run.build_requests(target, [job], docs_per_job=2, documents=documents)
+
+    async def main():
+        stop = asyncio.Event()
+        load = asyncio.create_task(run.run_closed(urls["a"], target, requests, 3, 60.0, 0.0, stop=stop))
+        await asyncio.sleep(0.3)
+        stop.set()
+        stopped = time.perf_counter()
+        step = await load
+        return step, stopped, time.perf_counter()
+
+    step, stopped, ended = asyncio.run(main())
+    assert step.cancelled == 0 and len(step.samples) >= 6 and all(s.ok for s in step.samples)
+    assert ended - stopped < 0.5 and step.duration_s < 1.0  # not the 60 s asked for
+    assert len(seen) == len(step.samples)  # every request sent was answered and counted
+
+
 def test_paired_summary_compares_the_time_outside_each_engine():
     """Two servers with their own engines: b's engine is 5 ms slower per round and its whole answer 6 ms slower, so
     its layers in front of the engine cost 1 ms more; the per-round engine times are kept; a server without an
@@ -797,3 +873,69 @@ def test_pair_runs_raw_service_and_direct_at_once_on_real_vllm_cpu_engines(tmp_p
         except OSError:
             continue
     assert not leftovers, leftovers  # raw `vllm serve` names the kit on its command line
+
+
+def _x(name, cat, ts, dur, **extra):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, **extra}
+
+
+def test_trace_steps_split_each_engine_step_into_gpu_busy_and_waiting():
+    """Steps are windows from one step annotation to the next; GPU busy is the union of the GPU ops inside, so
+    overlapping kernels count once and a kernel running past the window's end counts only its part inside."""
+    from loadtest import trace_steps
+
+    trace = {"traceEvents": [
+        _x("execute_context_1(700)_generation_0(0)", "user_annotation", 0, 50),     # prefill: window 0-100
+        _x("vision", "kernel", 10, 60),
+        _x("execute_context_0(0)_generation_2(2)", "user_annotation", 100, 20),     # decode: window 100-110
+        _x("gemm", "kernel", 100, 4), _x("attn", "kernel", 102, 4),                 # overlap: busy 6, not 8
+        _x("cudaGraphLaunch", "cuda_runtime", 101, 1),
+        _x("execute_context_0(0)_generation_2(2)", "user_annotation", 110, 20),     # decode: window 110-130
+        _x("gemm", "kernel", 112, 2), _x("Memcpy DtoH", "gpu_memcpy", 128, 6),      # 2 inside of the memcpy's 6
+        _x("cudaGraphLaunch", "cuda_runtime", 111, 1),
+        _x("execute_context_0(0)_generation_2(2)", "user_annotation", 130, 20),     # last: no next step, no window
+        _x("execute_context_0(0)_generation_2(2)", "gpu_user_annotation", 100, 30),  # GPU-side copy: not a step
+        {"ph": "i", "name": "instant", "ts": 105},
+    ]}
+    windows = trace_steps.step_windows(trace)
+    assert [w["wall_ms"] for w in windows] == [0.1, 0.01, 0.02]
+    assert [w["gpu_busy_ms"] for w in windows] == pytest.approx([0.06, 0.006, 0.004])
+    assert [w["gpu_ops"] for w in windows] == [1, 2, 2] and [w["graph_launches"] for w in windows] == [0, 1, 1]
+    summary = trace_steps.summarise_steps(windows)
+    decode, prefill = summary["decode"], summary["with_prefill"]
+    assert summary["steps"] == 3 and summary["gpu_activity"]
+    assert decode["steps"] == 2 and decode["batch_mean"] == 2 and decode["wall_ms_mean"] == 0.015
+    assert decode["gpu_busy_ms_mean"] == 0.005 and decode["gpu_idle_ms_mean"] == 0.01
+    assert decode["gpu_busy_share"] == pytest.approx(0.333, abs=1e-3) and decode["graph_launches_mean"] == 1
+    # per op and step: gemm 4 + 2 µs over 2 steps; the memcpy started inside a window, so all 6 µs count there
+    assert decode["top_gpu_ops_ms_per_step"] == {"Memcpy DtoH": 0.003, "gemm": 0.003, "attn": 0.002}
+    assert prefill["steps"] == 1 and prefill["prefill_tokens_mean"] == 700 and prefill["gpu_busy_ms_mean"] == 0.06
+    # a CPU engine's trace: steps and wall times, no GPU fields
+    cpu = trace_steps.summarise_steps(trace_steps.step_windows(
+        {"traceEvents": [e for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]}))
+    assert not cpu["gpu_activity"] and cpu["decode"]["wall_ms_mean"] == 0.015 and "gpu_busy_ms_mean" not in cpu["decode"]
+
+
+def test_trace_part_profiles_a_real_vllm_cpu_engine_under_load(tmp_path):
+    """Part trace end to end on CPU (`--tiny`): raw `vllm serve` with vLLM's torch profiler, one and two clients
+    sending ID cards; per level a trace file comes back, its engine steps are counted and split into decode and
+    prefill steps, the unprofiled window gave vLLM's decode time per token, and the report has the table. No timing
+    assertions."""
+    out = tmp_path / "trace"
+    assert bench_gpu.main(["--tiny", "--parts", "trace", "--workloads", "id_card", "--trace-levels", "1,2",
+                           "--trace-steps", "8", "--docs", "2", "--kit-dir", str(tmp_path / "kit"),
+                           "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert "'max_iterations': 8" in results["parts"]["trace"]["engine_args"]["profiler_config"]
+    for level in ("1", "2"):
+        traced = results["parts"]["trace"]["id_card"][level]
+        answers = (traced["unprofiled_answers"], traced["profiled_answers"])
+        assert all(a["errors"] == 0 and a["ok"] >= 1 for a in answers), traced
+        assert 6 <= traced["steps"] <= 9, traced  # max_iterations 8 (vLLM may count the step that stops it)
+        assert traced["decode"]["steps"] >= 1 and traced["decode"]["wall_ms_mean"] > 0
+        assert traced["decode"]["batch_mean"] <= int(level)
+        assert traced["gpu_activity"] is False  # a CPU engine
+        assert traced["unprofiled_decode_ms_per_token"] > 0
+        assert (out / "traces" / f"id_card-{level}-{traced['file']}").exists()
+    report = (out / "report.md").read_text()
+    assert "Engine steps under the torch profiler" in report and "| id_card | 2 | decode |" in report
