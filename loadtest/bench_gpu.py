@@ -892,8 +892,8 @@ class Bench:
         """Raw vLLM (the raw part's arguments) with vLLM's torch profiler: at each of --trace-levels clients, after
         the load settles, an unprofiled window (vLLM's own decode time per token, from its histograms) and then
         --trace-steps engine steps under the profiler. loadtest/trace_steps.py splits each step into GPU busy time
-        and the time the GPU waits for the host. The traces (tens of MB each) stay in the system temp dir; those of
-        at most 20 MB are copied to OUT/traces/."""
+        and the time the GPU waits for the host. The traces stay in the system temp dir; those of at most 20 MB (200
+        steps: 3.5 MB gzipped on the H200) are copied to OUT/traces/."""
         trace_dir = Path(tempfile.gettempdir()) / "ocr-bench-traces"
         shutil.rmtree(trace_dir, ignore_errors=True)
         trace_dir.mkdir(parents=True)
@@ -1524,9 +1524,9 @@ def preflight(parts: list[str], pair_servers: list[str] = ()) -> dict[str, str]:
     server = ["vllm", "aiohttp"]
     needs = {"matmul": ["torch"], "raw": server, "raw_stock": server, "raw_cached": server,
              "service": [*server, "ray", "fastapi", "pydantic_settings"],
-             "direct": [*server, "fastapi", "uvicorn", "pydantic_settings"], "hf": ["torch", "transformers"]}
+             "direct": [*server, "fastapi", "uvicorn", "pydantic_settings"], "hf": ["torch", "transformers"],
+             "trace": server}
     missing = {}
-    needs["trace"] = server
     for part in parts:
         wanted = ({m for server in pair_servers for m in needs[base_part(server)]} if part == "pair"
                   else needs[base_part(part)])
