@@ -58,8 +58,9 @@ def _covered(union: list[tuple[float, float]], starts: list[float], lo: float, h
 def step_windows(trace: dict[str, Any]) -> list[dict[str, Any]]:
     """One entry per engine step that has a next step (its window ends there): times in ms."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
-    steps = sorted((float(e["ts"]), float(e.get("dur", 0.0)), m) for e in events
-                   if e.get("cat") == "user_annotation" and (m := STEP_NAME.fullmatch(e.get("name", ""))))
+    steps = sorted(((float(e["ts"]), float(e.get("dur", 0.0)), m) for e in events
+                    if e.get("cat") == "user_annotation" and (m := STEP_NAME.fullmatch(e.get("name", "")))),
+                   key=lambda step: step[0])  # by start only: two equal starts would compare match objects
     gpu = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", "")) for e in events
            if e.get("cat") in GPU_CATEGORIES]
     union = _union((s, e) for s, e, _ in gpu)

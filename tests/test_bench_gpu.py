@@ -914,6 +914,11 @@ def test_trace_steps_split_each_engine_step_into_gpu_busy_and_waiting():
     cpu = trace_steps.summarise_steps(trace_steps.step_windows(
         {"traceEvents": [e for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]}))
     assert not cpu["gpu_activity"] and cpu["decode"]["wall_ms_mean"] == 0.015 and "gpu_busy_ms_mean" not in cpu["decode"]
+    # two annotations with the same start and length (other step names) still sort: by start, not by match object
+    twins = {"traceEvents": [_x("execute_context_0(0)_generation_1(1)", "user_annotation", 0, 5),
+                             _x("execute_context_0(0)_generation_2(2)", "user_annotation", 0, 5),
+                             _x("execute_context_0(0)_generation_1(1)", "user_annotation", 10, 5)]}
+    assert [w["wall_ms"] for w in trace_steps.step_windows(twins)] == [0.0, 0.01]
 
 
 def test_trace_part_profiles_a_real_vllm_cpu_engine_under_load(tmp_path):
