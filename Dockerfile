@@ -88,7 +88,8 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=app-gpu /opt/venv /opt/venv
-# VLLM_USE_V2_MODEL_RUNNER=0: HunyuanOCR fails CUDA-graph capture on vLLM 0.26's V2 runner (docs/DEPLOY.md).
+# VLLM_USE_V2_MODEL_RUNNER=0: vLLM 0.26's V1 runner. The V2 runner (vLLM's default for dense models) serves HunyuanOCR
+# with our plugin's fix 5, but took 13 % longer per A4 token on the H200 (docs/DEPLOY.md, docs/BENCHMARKS.md).
 ENV OCR_ENGINE=vllm \
     VLLM_USE_V2_MODEL_RUNNER=0 \
     VLLM_NO_USAGE_STATS=1 \

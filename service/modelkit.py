@@ -276,7 +276,8 @@ def write_lora_adapter(directory: Path, model_dir: Path, *, seed: int, rank: int
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(layers):
-        for module, (d_in, d_out) in {"self_attn.o_proj": (attention, hidden), "mlp.down_proj": (inter, hidden)}.items():
+        shapes = {"self_attn.o_proj": (attention, hidden), "mlp.down_proj": (inter, hidden)}
+        for module, (d_in, d_out) in shapes.items():
             prefix = f"base_model.model.model.layers.{layer}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=generator) * std
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * std

@@ -2,7 +2,8 @@
 `inputs_embeds`, so vLLM 0.26's Model Runner V2 can capture CUDA graphs (it calls forward without them).
 
 vLLM's native HunyuanOCR model exists only in GPU builds, so these run the patch on a class with vLLM 0.26's exact
-forward signature (copied below); the H200 run served HunyuanOCR with `VLLM_USE_V2_MODEL_RUNNER=1` (docs/BENCHMARKS.md)."""
+forward signature (copied below). On the H200, vLLM served HunyuanOCR with `VLLM_USE_V2_MODEL_RUNNER=1` and this
+fix (docs/BENCHMARKS.md, twentieth session)."""
 
 from __future__ import annotations
 
