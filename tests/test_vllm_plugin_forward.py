@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
-import types
 
 import pytest
 
 from service.engine import vllm_plugin
+from tests.fixtures.vllm import fake_native_hunyuan
+
+MODEL = "HunYuanVLForConditionalGeneration"
 
 
 class VLLM026Model:
@@ -25,17 +26,9 @@ class VLLM026Model:
                 "inputs_embeds": inputs_embeds, **kwargs}
 
 
-def _fake_module(monkeypatch, model_class):
-    module = types.ModuleType("vllm.model_executor.models.hunyuan_vision")
-    cls = type("HunYuanVLForConditionalGeneration", (model_class,), {})
-    module.HunYuanVLForConditionalGeneration = cls
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    return cls
-
-
 def test_forward_without_intermediate_tensors_works_after_the_patch(monkeypatch):
     """Model Runner V2's capture call (input_ids, positions, inputs_embeds by keyword) fails before, works after."""
-    cls = _fake_module(monkeypatch, VLLM026Model)
+    cls = fake_native_hunyuan(monkeypatch, MODEL, VLLM026Model)
     capture_inputs = {"input_ids": "ids", "positions": "pos", "inputs_embeds": "emb"}
     with pytest.raises(TypeError, match="intermediate_tensors"):
         cls().forward(**capture_inputs)
@@ -58,7 +51,7 @@ def test_a_vllm_that_has_the_defaults_keeps_its_forward(monkeypatch):
         def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
             return intermediate_tensors
 
-    cls = _fake_module(monkeypatch, Fixed)
+    cls = fake_native_hunyuan(monkeypatch, MODEL, Fixed)
     original = cls.forward
     vllm_plugin._patch_hunyuan_forward_defaults()
     assert cls.forward is original
@@ -69,7 +62,7 @@ def test_a_changed_signature_is_left_alone_with_a_warning(monkeypatch, caplog):
         def forward(self, input_ids, positions, inputs_embeds, intermediate_tensors, **kwargs):
             return intermediate_tensors
 
-    cls = _fake_module(monkeypatch, Changed)
+    cls = fake_native_hunyuan(monkeypatch, MODEL, Changed)
     original = cls.forward
     with caplog.at_level(logging.WARNING, logger=vllm_plugin.__name__):
         vllm_plugin._patch_hunyuan_forward_defaults()

@@ -14,6 +14,7 @@ nn = torch.nn
 F = torch.nn.functional
 
 from service.engine import vllm_plugin  # noqa: E402
+from tests.fixtures.vllm import fake_native_hunyuan  # noqa: E402
 
 DIM, HEADS = 24, 3
 
@@ -135,21 +136,9 @@ def test_attention_never_crosses_images():
     assert not torch.allclose(a[1], b[1])
 
 
-def _fake_hunyuan_module(monkeypatch, tower_class) -> type:
-    """A stand-in for vLLM's native `hunyuan_vision` module (GPU builds only) holding `tower_class`."""
-    import sys
-    import types
-
-    module = types.ModuleType("vllm.model_executor.models.hunyuan_vision")
-    cls = type("HunYuanVisionTransformer", (tower_class,), {})
-    module.HunYuanVisionTransformer = cls
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    return cls
-
-
 def test_patch_replaces_the_per_image_loop_and_keeps_it(monkeypatch):
     """On a vLLM with the native tower, the batched forward replaces it once; vLLM's own stays reachable."""
-    cls = _fake_hunyuan_module(monkeypatch, Tower)
+    cls = fake_native_hunyuan(monkeypatch, "HunYuanVisionTransformer", Tower)
     original = cls.forward
     vllm_plugin._patch_hunyuan_vision_batched()
     vllm_plugin._patch_hunyuan_vision_batched()  # plugins may be loaded twice: still one wrapper
@@ -170,7 +159,7 @@ def test_patch_is_not_applied_to_a_tower_it_was_not_written_for(monkeypatch):
         def forward(self, x, grid_thw):
             return super().forward(x, grid_thw)
 
-    cls = _fake_hunyuan_module(monkeypatch, Rewritten)
+    cls = fake_native_hunyuan(monkeypatch, "HunYuanVisionTransformer", Rewritten)
     original = cls.forward
     vllm_plugin._patch_hunyuan_vision_batched()
     assert cls.forward is original and not hasattr(cls, "per_image_forward")

