@@ -36,8 +36,8 @@ def test_run_ok_needs_every_answer_and_a_working_adapter():
 
 
 def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
-    """o_proj's input is heads × head_dim (2,048), not the hidden size (1,024): vLLM rejects an adapter whose A
-    matrix does not fit the layer it targets."""
+    """o_proj's input is heads × head_dim (2,048), not the hidden size (1,024) that the test fixture's writer assumed
+    (the two are equal in the tiny kit)."""
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 

@@ -22,7 +22,7 @@ model (GPU builds).
    outputs identical (max |Δ| 0); A4 pages, already large GEMMs, 36.7 → 34.9 ms. `OCR_VLLM_BATCHED_VISION=0` turns
    it off.
 5. vLLM 0.26's Model Runner V2 (its default for dense models) captures CUDA graphs by calling the model's forward
-   without `intermediate_tensors`. Every other model gives that argument a default of None; HunyuanOCR's
+   without `intermediate_tensors`. Most of vLLM's models give that argument a default of None; HunyuanOCR's
    `HunYuanVLForConditionalGeneration.forward` does not, so capture fails with a TypeError and vLLM had to run with
    `VLLM_USE_V2_MODEL_RUNNER=0`. The forward is wrapped to give `intermediate_tensors` and `inputs_embeds` their
    None defaults, nothing else.
