@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                         health_check_timeout_s=300.0, **engine)
 
     results: dict = {"started_at": started_at, "device": device_name(), "tiny": args.tiny, "lora": args.lora,
-                     "env": {k: os.environ[k] for k in ("VLLM_USE_V2_MODEL_RUNNER",) if k in os.environ},
+                     "vllm_use_v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
                      "settings": {k: settings.masked()[k] for k in ("dtype", "load_format", "gpu_memory_utilization",
                                                                    "max_model_len", "max_output_tokens")},
                      "kit_s": round(kit_s, 1), "tasks": []}

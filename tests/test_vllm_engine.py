@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from service.admission.budget import image_tokens_for
+from service.modelkit import write_lora_adapter
 from service.serve.app import ENGINE_DEPLOYMENT
 from tests.fixtures.documents import render_document
 from tests.fixtures.reliability import replica_processes, wait_for
-from tests.fixtures.vllm import write_lora_adapter
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ray]
 
