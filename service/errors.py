@@ -19,6 +19,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "unsupported_aspect_ratio": (400, "The image is longer than `max_image_aspect_ratio` times its width (or wider "
                                  "than that times its height): no document is, and the model's processor refuses it."),
     "payload_too_large": (413, "The request body exceeds the size limit."),
+    "prompt_too_long": (400, "The request's text (extraction fields, a chat message) leaves no room in the model's "
+                        "context for the image at its smallest and one output token."),
     "unknown_task": (400, "The `task` is not one of the documented tasks."),
     "unsupported_task": (400, "The task is known but the current engine cannot perform it."),
     "invalid_schema": (400, "The extraction JSON Schema is not a valid schema or is too large."),

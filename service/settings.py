@@ -31,7 +31,8 @@ class Settings(BaseSettings):
 
     # --- admission: body and image ------------------------------------------------------------------------------
     max_body_bytes: int = Field(
-        20 * 1024 * 1024, ge=1024, description="Largest accepted request body in bytes (413 `payload_too_large`)."
+        20 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024,
+        description="Largest accepted request body in bytes (413 `payload_too_large`)."
     )
     max_image_pixels: int = Field(
         40_000_000,
@@ -177,7 +178,8 @@ class Settings(BaseSettings):
         2048 * 2048, ge=1024, description="Processor max_pixels (larger images are downscaled to it), for the "
         "image-token budget of an engine that does not report its processor's; also the cap PDF pages render to."
     )
-    enable_lora: bool = Field(False, description="Enable LoRA adapter slots in vLLM.")
+    enable_lora: bool = Field(False, description="Enable LoRA adapter slots in vLLM. The slots slow requests "
+                              "without an adapter too (docs/DEPLOY.md): leave off where no adapter is served.")
     max_loras: int = Field(4, ge=1, description="LoRA slots on the GPU (adapters active in one batch).")
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank accepted.")
     max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters cached in CPU memory (LRU).")

@@ -37,6 +37,20 @@ def test_run_ok_needs_every_answer_and_a_working_adapter():
     assert not gpu_tasks.run_ok({"tasks": [_row("a")], "lora": True}), "--lora without the adapter requests"
 
 
+def test_kernels_compiled_counts_new_cubins_under_vllm_and_triton_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    roots = gpu_tasks.kernel_cache_roots()
+    assert roots == [tmp_path / "vllm", tmp_path / "triton"]
+    assert gpu_tasks.compiled_kernels(roots) == 0, "no cache yet"
+    (tmp_path / "vllm" / "torch_compile_cache" / "ab" / "triton_cache" / "K1").mkdir(parents=True)
+    (tmp_path / "vllm" / "torch_compile_cache" / "ab" / "triton_cache" / "K1" / "lora_shrink.cubin").write_bytes(b"")
+    (tmp_path / "vllm" / "torch_compile_cache" / "ab" / "triton_cache" / "K1" / "lora_shrink.json").write_text("{}")
+    (tmp_path / "triton" / "K2").mkdir(parents=True)
+    (tmp_path / "triton" / "K2" / "lora_expand.cubin").write_bytes(b"")
+    assert gpu_tasks.compiled_kernels(roots) == 2
+
+
 def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
     """o_proj's input is heads × head_dim (2,048), not the hidden size (1,024) that the test fixture's writer assumed
     (the two are equal in the tiny kit)."""
@@ -65,18 +79,24 @@ def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
 
 def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
     """`gpu_tasks.py --tiny --lora` end to end: its own Ray, our Serve app and vLLM-CPU with LoRA slots; the base
-    model, the random adapter, the base model again. A subprocess, because the run starts Ray and deploys the app
+    model, the random adapter, the base model again, in two rounds that must answer alike. A subprocess, because the run starts Ray and deploys the app
     itself (in this process it would join the test session's cluster and replace its app)."""
     out = tmp_path / "results.json"
     run = subprocess.run([sys.executable, "loadtest/gpu_tasks.py", "--tiny", "--lora", "--tasks", "text",
-                          "--max-tokens", "16", "--model-dir", str(tmp_path / "kit"), "--out", str(out)],
+                          "--max-tokens", "16", "--rounds", "2", "--model-dir", str(tmp_path / "kit"),
+                          "--out", str(out)],
                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["lora"] is True and "error" not in results
-    [row] = results["tasks"]
-    lora = row["lora"]
-    assert row["status"] == lora["adapter"]["status"] == lora["base_again"]["status"] == 200
-    assert lora["adapter_differs"] and lora["base_repeats"]
-    assert lora["adapter"]["usage"]["output_tokens"] == 16
-    assert "text" not in row and len(row["text_sha256"]) == 16  # digests only, never the document's text
+    assert [row["round"] for row in results["tasks"]] == [1, 2]
+    for row in results["tasks"]:
+        lora = row["lora"]
+        assert row["status"] == lora["adapter"]["status"] == lora["base_again"]["status"] == 200
+        assert lora["adapter_differs"] and lora["base_repeats"]
+        assert lora["adapter"]["usage"]["output_tokens"] == 16
+        assert "text" not in row and len(row["text_sha256"]) == 16  # digests only, never the document's text
+        assert all(answer["kernels_compiled"] >= 0 for answer in (row, lora["adapter"], lora["base_again"]))
+    first, second = results["tasks"]
+    assert second["text_sha256"] == first["text_sha256"], "the same page and task answer alike in every round"
+    assert second["lora"]["adapter"]["text_sha256"] == first["lora"]["adapter"]["text_sha256"]

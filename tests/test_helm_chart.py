@@ -282,7 +282,9 @@ def test_serve_mode_and_front_end_are_set_on_every_ray_container():
     # the default: the throughput-optimized mode as `ocr-serve serve` has it, with HAProxy as the front end, which
     # keeps Ray's hold on a stopping ingress replica (HAProxy is the balancer that hold is for)
     haproxy = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": SERVE_MODE_ENV["RAY_SERVE_THROUGHPUT_OPTIMIZED"],
-               "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+               "RAY_SERVE_ENABLE_HA_PROXY": "1",
+               # bodies and pages over gRPC's 4 MiB reach the replicas, in every mode and front end
+               "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": SERVE_MODE_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]}
     assert modes(rendered_objects(render_chart())) == [haproxy] * 2
     # the proxy actor: `ocr-serve serve`'s variables, and direct ingress off so that the proxy runs on every pod
     assert modes(rendered_objects(render_chart({"rayServeHaProxy": False}))) == [

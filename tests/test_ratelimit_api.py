@@ -165,13 +165,14 @@ async def test_denied_requests_cost_the_engine_nothing(redis_server):
 
 
 async def test_image_token_cost(redis_server):
-    from service.admission.budget import plan_for_vlm
+    from service.admission.budget import PROMPT_OVERHEAD_TOKENS, plan_for_vlm
 
     settings = dict(engine="mock", redis_url=redis_server.url, rate_limit_cost="image_tokens",
                     default_rate=0.01, default_burst=100_000)
     s = Settings(**settings)
     plan = plan_for_vlm(64, 32, max_model_len=s.max_model_len, max_tokens=s.max_output_tokens,
-                        min_pixels=s.min_image_pixels, max_pixels=s.max_engine_image_pixels)
+                        min_pixels=s.min_image_pixels, max_pixels=s.max_engine_image_pixels,
+                        prompt_overhead=PROMPT_OVERHEAD_TOKENS)
     client, ctx = app_client(MockEngine(), **settings)
     async with client:
         first = await client.post("/v1/ocr", json={**BODY, "max_tokens": s.max_output_tokens})

@@ -1,8 +1,11 @@
 """`ocr-serve serve` runs Ray Serve in its throughput-optimized mode unless its environment says otherwise
 (service.serve.local.SERVE_MODE_ENV; docs/DEPLOY.md). The mode is seen from outside: in it, each ingress replica
-also listens for HTTP itself on a port of 30000-31000 (Serve's direct ingress) and answers the API there."""
+also listens for HTTP itself on a port of 30000-31000 (Serve's direct ingress) and answers the API there. In every
+mode a page over gRPC's default message size (4 MiB) reaches the engine replica."""
 
 from __future__ import annotations
+
+import functools
 
 import httpx
 import pytest
@@ -32,8 +35,29 @@ def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwis
             assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
         assert httpx.get(url + "/readyz", timeout=10).status_code == 200  # and the proxy still does
         assert port_holder(proc, int(url.rsplit(":", 1)[1])) == "ray::ProxyActor"
+        # a page over gRPC's 4 MiB default reaches the engine replica in every mode: the throughput-optimized mode
+        # sends each call to a replica as one gRPC message, and an upload of noise stays as large as a PNG page
+        # (a 500 before SERVE_MODE_ENV raised the replicas' limit)
+        page = noise_png()
+        assert len(page) > 6 * 1024 * 1024
+        resp = httpx.post(url + "/v1/ocr", files={"file": ("noise.png", page, "image/png")}, timeout=120)
+        assert resp.status_code == 200, resp.text
     finally:
         proc.stop(timeout_s=60)
+
+
+@functools.cache
+def noise_png() -> bytes:
+    """1,500 × 1,500 pixels of noise: a 6.8 MB PNG (noise does not compress), within every upload limit."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(7).integers(0, 256, (1500, 1500, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
 
 
 def test_start_ray_warns_when_this_process_read_another_serve_mode(monkeypatch, caplog):

@@ -195,6 +195,31 @@ def test_unknown_adapter_is_404(vllm_url):
     assert httpx.get(vllm_url + "/readyz", timeout=60).status_code == 200
 
 
+def test_each_page_budgets_the_context_for_its_own_prompt(vllm_url, vllm_settings):
+    """The context budget counts each request's own prompt. 1.5's doc_parse prompt is about 200 tokens with the
+    kit's tokenizer. With the old fixed allowance (160 tokens for any prompt) an A4 page asked for `document` filled
+    the 2,048-token context, and vLLM refused it: a 500. A longer chat message shrinks the page further. A message
+    that leaves no room even for the smallest page is a 400 before the engine."""
+    context = vllm_settings["max_model_len"]
+    page = render_document(["Invoice 2026", "Total 1,234.56"])  # A4 at 150 dpi: 1240×1754
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": page.b64(), "task": "document", "max_tokens": MAX_TOKENS},
+                      timeout=300)
+    assert resp.status_code == 200, resp.text
+    document = resp.json()
+    assert document["usage"]["output_tokens"] == MAX_TOKENS
+    assert document["usage"]["prompt_tokens"] + MAX_TOKENS <= context and document["image"]["scale"] < 1
+
+    message = "Extract these fields: " + ", ".join(f"field_{n}" for n in range(120))  # ~1,100 bytes
+    resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(page, text=message), timeout=300)
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["completion_tokens"] == MAX_TOKENS and usage["prompt_tokens"] + MAX_TOKENS <= context
+
+    resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(page, text="发票" * 1000), timeout=300)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "prompt_too_long", resp.text
+    assert httpx.get(vllm_url + "/readyz", timeout=60).status_code == 200
+
+
 def engine_core_pids(deployment: str = ENGINE_DEPLOYMENT) -> list[int]:
     """vLLM EngineCore processes of the deployment's replicas: the replica workers' child processes (the
     replicas' PIDs from Ray's actor table), less multiprocessing's resource tracker. By process title alone

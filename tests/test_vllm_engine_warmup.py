@@ -6,8 +6,9 @@ docs/BENCHMARKS.md). `VLLMEngine.start()` renders one page first, so a burst of 
 not build a processor at all. The processor is counted at its source (`ProcessorMixin.from_pretrained`), in this
 process, where vLLM's renderer runs. The same engine then checks that a page sent as pixels and as PNG gives the same
 tokens, that a page the ingress presized gives them too without a resize in the processor, that its stream's
-per-delta token counts add up to what it generated, and that a PNG whose pixels do not decode is a 400
-`invalid_image` before vLLM sees it.
+per-delta token counts add up to what it generated, that a PNG whose pixels do not decode is a 400
+`invalid_image` before vLLM sees it, and that it counts each prompt exactly against the context: the output gets
+what is left, and a prompt that fills it is a 400 `prompt_too_long`.
 
 Not marked `vllm`: it runs its own short-lived engine early, before the session's Serve deployment exists, so the two
 engines never hold memory at the same time."""
@@ -144,6 +145,39 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
                                                     height=image.height, prompt="Read it.", max_tokens=6,
                                                     image_png=doc.png()))
         assert [t.token for t in again.tokens] == [t.token for t in png_page.tokens]
+
+        # the context: the engine measured its chat template at start (what an empty user text adds to the image),
+        # counts each rendered prompt exactly, gives the output what is left of the context (max_model_len 1024
+        # here), and refuses a prompt that fills it as the client's `prompt_too_long`. vLLM itself would raise a
+        # ValueError, a 500. The engine serves on afterwards.
+        from service.admission.budget import image_tokens_for
+
+        template = (await engine.info()).prompt_template_tokens
+        page_tokens = image_tokens_for(image.height, image.width, processor.min_pixels, processor.max_pixels)
+        empty = await engine.generate(EngineRequest(request_id="no-text", task="text", width=image.width,
+                                                    height=image.height, prompt="", max_tokens=1,
+                                                    image_png=doc.png()))
+        assert template is not None and empty.prompt_tokens == page_tokens + template
+        words, text = 0, ""
+        while len(engine._tokenizer.encode(text, add_special_tokens=False)) < 1024 - 4 - page_tokens - template:
+            words += 1
+            text = " ".join(str(n) for n in range(words))
+        clamped = await engine.generate(EngineRequest(
+            request_id="near-full", task="text", width=image.width, height=image.height, prompt=text,
+            max_tokens=10, min_tokens=10, ignore_eos=True, image_png=doc.png()))
+        assert 1024 - 10 < clamped.prompt_tokens < 1024, "the text was built to leave 1-9 tokens of room"
+        assert clamped.output_tokens == 1024 - clamped.prompt_tokens and clamped.finish_reason == "length"
+        # over with the image (the engine's own count), and over with the text alone (vLLM's renderer says so)
+        for name, over in {"with-image": text + " 1 2 3 4 5 6 7 8 9 10 11 12", "text-alone": text + " " + text}.items():
+            with pytest.raises(OCRError) as refused:
+                await engine.generate(EngineRequest(request_id=f"over-{name}", task="text", width=image.width,
+                                                    height=image.height, prompt=over, max_tokens=1,
+                                                    image_png=doc.png()))
+            assert refused.value.code == "prompt_too_long" and refused.value.status == 400, name
+        after = await engine.generate(EngineRequest(request_id="after-full", task="text", width=image.width,
+                                                    height=image.height, prompt="Read it.", max_tokens=6,
+                                                    image_png=doc.png()))
+        assert [t.token for t in after.tokens] == [t.token for t in png_page.tokens]
     finally:
         await engine.shutdown()
 

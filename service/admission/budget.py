@@ -12,9 +12,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from service.errors import OCRError
+
 FACTOR = 32  # patch_size 16 × spatial_merge 2
-# Chat-template tokens around the image and the task prompt (system/user/assistant markers + the longest prompt).
+# A typical request's text tokens (chat template + task prompt): only for sizing what is rendered before the request's
+# own prompt is planned (PDF pages); each page's plan uses its own prompt's bound (prompt_token_bound).
 PROMPT_OVERHEAD_TOKENS = 160
+# Chat-template tokens around the user text, for an engine that does not measure its own (EngineInfo)
+TEMPLATE_TOKENS = 32
+
+
+def prompt_token_bound(user_text: str | None, template_tokens: int | None = None) -> int:
+    """At most how many text tokens a prompt takes: the chat template's own tokens plus one per UTF-8 byte of the
+    user text. A byte-level BPE or byte-fallback tokenizer never makes more tokens than bytes, and the ingress has no
+    tokenizer to count exactly. Loose for English (3-4 bytes a token), tight for CJK prompts (the model kit's
+    tokenizer: 203 tokens for the 209 bytes of 1.5's doc_parse prompt)."""
+    return (TEMPLATE_TOKENS if template_tokens is None else template_tokens) + len((user_text or "").encode("utf-8"))
 
 
 def smart_resize(height: int, width: int, min_pixels: int, max_pixels: int, factor: int = FACTOR) -> tuple[int, int]:
@@ -59,12 +72,14 @@ def plan_for_vlm(
     max_tokens: int,
     min_pixels: int,
     max_pixels: int,
-    prompt_overhead: int = PROMPT_OVERHEAD_TOKENS,
+    prompt_overhead: int,
 ) -> ImagePlan:
     """Downscale (never upscale) until image tokens + prompt + `max_tokens` fit `max_model_len`.
 
-    Shrinking stops where the processor would upscale the image back (area min_pixels): below that the token count
-    no longer falls. If even that image leaves less than `max_tokens` of room, the output budget shrinks instead.
+    `prompt_overhead`: the request's text tokens (prompt_token_bound). Shrinking stops where the processor would
+    upscale the image back (area min_pixels): below that the token count no longer falls. If even that image leaves
+    less than `max_tokens` of room, the output budget shrinks instead; if it leaves no room for one output token, the
+    text is too long for any image (400 `prompt_too_long`).
     """
     room = max_model_len - prompt_overhead - max_tokens
     # the processor upscales anything smaller than min_pixels, so a smaller image saves no tokens
@@ -80,8 +95,12 @@ def plan_for_vlm(
         scale = max(min_scale, scale * step)
         w, h = max(1, round(width * scale)), max(1, round(height * scale))
     tokens = image_tokens_for(h, w, min_pixels, max_pixels)
+    if tokens + prompt_overhead + 1 > max_model_len:
+        raise OCRError("prompt_too_long", f"the request's text takes up to {prompt_overhead} of the model's "
+                       f"{max_model_len} context tokens, and the image needs {tokens} even at its smallest; send "
+                       "less text (fewer or shorter fields, a shorter message)")
     if tokens + prompt_overhead + max_tokens > max_model_len:
-        max_tokens = max(1, max_model_len - prompt_overhead - tokens)
+        max_tokens = max_model_len - prompt_overhead - tokens
     return ImagePlan(width=w, height=h, scale=w / width if scale < 1 else 1.0, image_tokens=tokens, max_tokens=max_tokens)
 
 

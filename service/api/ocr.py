@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from service.admission.auth import Principal
-from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm
+from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm, prompt_token_bound
 from service.admission.images import (DecodedImage, decode_base64_image, decode_image, encode_png, resize_to,
                                      sniff_format)
 from service.admission.limits import check_request_limits
@@ -197,10 +197,12 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineIn
 
 
 def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine: EngineInfo,
-                         request_id: str, *, started: float | None = None, source: str = "image") -> PreparedPage:
+                         request_id: str, *, started: float | None = None, source: str = "image",
+                         prompt: str | None = None) -> PreparedPage:
     """Budget, resize and prompt an already decoded page (also used by jobs for rendered PDF pages), in the form the
     engine takes: pixels when it can (settings.engine_image_transport), else PNG, where an upload that already is
-    a bare PNG of the planned pixels goes on as it is."""
+    a bare PNG of the planned pixels goes on as it is. `prompt`: user text instead of the task's (a chat message);
+    the page's context budget counts whichever is sent."""
     s = ctx.settings
     started = time.perf_counter() if started is None else started
     if max(decoded.width, decoded.height) > s.max_image_aspect_ratio * min(decoded.width, decoded.height):
@@ -210,13 +212,16 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
     task = TASKS[req.task]
     max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
     if engine_name == "embedded":
+        prompt = None  # it takes no prompt
         plan = plan_for_embedded(decoded.width, decoded.height, max_side=EMBEDDED_MAX_SIDE)
     else:
+        prompt = build_prompt(req, s) if prompt is None else prompt
         # the engine's own processor limits where it reports them (a real 1.5 checkout allows 4096² pixels)
         processor = engine.image_processor
         plan = plan_for_vlm(decoded.width, decoded.height, max_model_len=s.max_model_len, max_tokens=max_tokens,
                             min_pixels=processor.min_pixels if processor else s.min_image_pixels,
-                            max_pixels=processor.max_pixels if processor else s.max_engine_image_pixels)
+                            max_pixels=processor.max_pixels if processor else s.max_engine_image_pixels,
+                            prompt_overhead=prompt_token_bound(prompt, engine.prompt_template_tokens))
     presizing = s.engine_image_presize and engine.image_processor is not None
     size = (plan.width, plan.height)
     if presizing:
@@ -235,7 +240,6 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
         else:
             page_image = {"image_png": encode_png(image)}
         width, height = image.width, image.height
-    prompt = build_prompt(req, s) if engine_name != "embedded" else None
     engine_request = EngineRequest(
         request_id=request_id, task=req.task, width=width, height=height, **page_image,
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,

@@ -173,12 +173,11 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                max_side=s.max_image_side, max_frames=s.max_frames,
                                defer_pixels=s.png_pixel_check == "engine")
-        return prepare_decoded_page(ctx, ocr_req, decoded, info, request_id)
+        return prepare_decoded_page(ctx, ocr_req, decoded, info, request_id, prompt=text)
 
     page = await asyncio.to_thread(prepare)
     headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))
     engine_request = page.engine_request.model_copy(update={
-        "prompt": text if info.name != "embedded" else None,
         "logprobs": logprobs,
         "guided_json": guided_json,
         "repetition_penalty": fields.repetition_penalty or s.repetition_penalty,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from service.admission.budget import image_tokens_for
 from service.admission.prompts import sanitize_user_text
 from service.engine.protocol import (EngineDelta, EngineInfo, EngineRequest, EngineResult, ImageProcessorInfo,
                                      TokenLogprob)
@@ -111,6 +112,7 @@ class VLLMEngine:
         self._tokenizer = None
         self._wrap_image_token = False
         self._image_processor = image_processor_info(self.model_dir, settings.image_processor_backend)
+        self._template_tokens: int | None = None  # measured when the renderer warms up
         self._special_ids: set[int] = set()
         self._last_success = float("-inf")  # monotonic time the last generation completed
         self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # loaded in vLLM, least recent first
@@ -196,7 +198,12 @@ class VLLMEngine:
 
         started = time.perf_counter()
         white = np.full((64, 64, 3), 255, dtype=np.uint8)  # the form pages come in (engine_image)
-        await self._llm.renderer.render_cmpl_async([self._render_inputs(self.render_prompt("warm-up"), white)])
+        (rendered,) = await self._llm.renderer.render_cmpl_async([self._render_inputs(self.render_prompt(""), white)])
+        # an empty user text: what the rendered prompt holds besides the image is the chat template (info())
+        processor = self._image_processor
+        if processor is not None and rendered.get("prompt_token_ids"):
+            image = image_tokens_for(64, 64, processor.min_pixels, processor.max_pixels)
+            self._template_tokens = max(0, len(rendered["prompt_token_ids"]) - image)
         log.info("image processor ready in %.0f ms", (time.perf_counter() - started) * 1000)
 
     def _render_inputs(self, prompt: str, image: Any) -> dict[str, Any]:
@@ -226,7 +233,8 @@ class VLLMEngine:
     async def info(self) -> EngineInfo:
         return EngineInfo(name=self.name, model=self.settings.served_model_name, supported_tasks=sorted(TASKS),
                           max_model_len=self.settings.max_model_len, adapters=await self.list_adapters(),
-                          image_transports=["pixels", "png"], image_processor=self._image_processor)
+                          image_transports=["pixels", "png"], image_processor=self._image_processor,
+                          prompt_template_tokens=self._template_tokens)
 
     def _require_llm(self):
         if self._llm is None:
@@ -352,6 +360,7 @@ class VLLMEngine:
         return final
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[EngineDelta]:
+        from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         llm = self._require_llm()
@@ -363,10 +372,26 @@ class VLLMEngine:
             engine_image, request)
         # the renderer's thread pool runs the HF image processor: off this event loop and several pages at once
         # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
-        (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, image)])
+        try:
+            (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, image)])
+        except VLLMValidationError as exc:  # the text alone over the context, checked before the image counts
+            if exc.parameter not in ("input_tokens", "input_text"):
+                raise
+            raise OCRError("prompt_too_long", f"the prompt's text alone exceeds the model's context of "
+                           f"{self.settings.max_model_len} tokens: send less text") from None
         preprocess_ms = (time.perf_counter() - started) * 1000
         first_token_ms: float | None = None
         params = self.sampling_params(request)
+        # the ingress plans with a bound on the text's tokens; this is the exact count. vLLM refuses a prompt that
+        # fills the context with a ValueError (a 500); the output budget is what is left of it.
+        prompt_len = len(engine_input.get("prompt_token_ids") or ())
+        room = self.settings.max_model_len - prompt_len
+        if room < 1:
+            raise OCRError("prompt_too_long", f"the prompt takes {prompt_len} tokens with the image; the model's "
+                           f"context holds {self.settings.max_model_len}: send less text or a smaller image")
+        if params.max_tokens > room:
+            params.max_tokens = room
+            params.min_tokens = min(params.min_tokens, room)
         guard = _make_guard(self.settings)
         request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"  # vLLM needs unique ids, even for retries
         text_parts: list[str] = []

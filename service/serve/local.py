@@ -28,7 +28,13 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 # goes through the Serve proxy (on one node; in a cluster the mode leaves the proxy on the head only, which the Helm
 # chart handles), and the CLI drains in-flight requests itself: the wait only made every stop 26 s longer (6 -> 32 s
 # with the mock engine), so it is 0 here, as in the Helm chart when it runs the proxy actor.
-SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+# In that mode each request crosses to a replica as one gRPC message, and Ray 2.60 keeps gRPC's 4 MiB default for
+# what a replica receives: an upload over 4 MiB (of the 20 MiB max_body_bytes allows) or an A4 page as pixels
+# (engine_image_transport: pixels, 6.4 MB) was a 500. The limit is raised above the largest body setting allows
+# (settings.max_body_bytes ≤ 256 MiB) and the largest page of pixels (4096² × 3 = 48 MiB).
+REPLICA_MAX_MESSAGE_BYTES = 320 * 1024 * 1024
+SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+                  "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(REPLICA_MAX_MESSAGE_BYTES)}
 # RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in here, the Helm chart's default): HAProxy, which ray[serve] ships, takes the
 # client's HTTP in place of Serve's Python proxy actor and forwards it to the ingress replicas' own ports, so the
 # ingress no longer fetches the request body back from the proxy. On the H200 it took 7.5 ms per ID card off the

@@ -133,6 +133,10 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   value: {{ ternary "1" "0" .Values.rayServeThroughputOptimized | quote }}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: {{ ternary "1" "0" .Values.rayServeHaProxy | quote }}
+# what a replica accepts in one gRPC message in the throughput-optimized mode (Ray keeps gRPC's 4 MiB): above the
+# largest request body and page of pixels, as `ocr-serve serve` sets it (service/serve/local.py)
+- name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+  value: "335544320"
 {{- if not .Values.rayServeHaProxy }}
 {{- if .Values.rayServeThroughputOptimized }}
 # the throughput-optimized mode turns direct ingress on, and with it and no HAProxy Serve runs its proxy on the head
