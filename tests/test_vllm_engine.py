@@ -202,12 +202,14 @@ def test_each_page_budgets_the_context_for_its_own_prompt(vllm_url, vllm_setting
     that leaves no room even for the smallest page is a 400 before the engine."""
     context = vllm_settings["max_model_len"]
     page = render_document(["Invoice 2026", "Total 1,234.56"])  # A4 at 150 dpi: 1240×1754
-    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": page.b64(), "task": "document", "max_tokens": MAX_TOKENS},
+    # 32 output tokens: the old allowance then planned 1,852 image tokens, and 1,852 + 208 > 2,048 (with 8 the
+    # 32-pixel grid happened to leave room)
+    resp = httpx.post(vllm_url + "/v1/ocr", json={"image": page.b64(), "task": "document", "max_tokens": 32},
                       timeout=300)
     assert resp.status_code == 200, resp.text
     document = resp.json()
-    assert document["usage"]["output_tokens"] == MAX_TOKENS
-    assert document["usage"]["prompt_tokens"] + MAX_TOKENS <= context and document["image"]["scale"] < 1
+    assert 1 <= document["usage"]["output_tokens"] <= 32  # the repetition guard may cut random weights' loops
+    assert document["usage"]["prompt_tokens"] + 32 <= context and document["image"]["scale"] < 1
 
     message = "Extract these fields: " + ", ".join(f"field_{n}" for n in range(120))  # ~1,100 bytes
     resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(page, text=message), timeout=300)
