@@ -101,6 +101,36 @@ async def test_invalid_json_and_fields(mock_client):
     assert_error(resp, 422, "validation_error")
 
 
+async def test_task_options_must_match_the_task(mock_client):
+    image = b64(png_bytes())
+    cases = [
+        ({"task": "extract"}, "`fields` or `schema`"),
+        ({"task": "translate"}, "needs `target_language`"),
+        # options of another task: refused, not silently dropped (a forgotten task=extract gave fields: null)
+        ({"fields": ["name"]}, "not 'spotting'"),
+        ({"task": "text", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}, "not 'text'"),
+        ({"task": "document", "target_language": "en"}, "`target_language` applies to task `translate`"),
+    ]
+    for extra, message in cases:
+        resp = await mock_client.post("/v1/ocr", json={"image": image, **extra})
+        assert_error(resp, 400, "invalid_request")
+        assert message in resp.json()["error"]["message"], (extra, resp.json())
+    resp = await mock_client.post("/v1/ocr", files={"file": ("a.png", png_bytes(), "image/png")},
+                                  data={"fields": "name,id_number"})
+    assert_error(resp, 400, "invalid_request")
+    resp = await mock_client.post("/v1/ocr", json={"image": image, "task": "extract", "fields": ["name"]})
+    assert resp.status_code == 200, resp.text
+
+
+async def test_task_options_are_checked_on_the_embedded_engine_too(embedded_client):
+    resp = await embedded_client.post("/v1/ocr", files={"file": ("a.png", png_bytes(), "image/png")},
+                                      data={"task": "text", "fields": "total"})
+    assert_error(resp, 400, "invalid_request")
+    resp = await embedded_client.post("/v1/ocr", files={"file": ("a.png", png_bytes(), "image/png")},
+                                      data={"task": "text"})
+    assert resp.status_code == 200, resp.text
+
+
 async def test_wrong_content_type(mock_client):
     resp = await mock_client.post("/v1/ocr", content=b"abc", headers={"content-type": "text/plain"})
     assert_error(resp, 415, "unsupported_media_type")

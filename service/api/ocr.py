@@ -171,6 +171,12 @@ async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
         raise OCRError("invalid_request", "task `extract` needs `fields` or `schema`")
     if req.task == "translate" and not req.target_language:
         raise OCRError("invalid_request", "task `translate` needs `target_language`")
+    # Options of another task would be ignored silently: a client that forgot `task=extract` would get a
+    # spotting result with `fields: null` and no hint why.
+    if req.task != "extract" and (req.fields is not None or req.json_schema is not None):
+        raise OCRError("invalid_request", f"`fields` and `schema` apply to task `extract`, not {req.task!r}")
+    if req.task != "translate" and req.target_language is not None:
+        raise OCRError("invalid_request", f"`target_language` applies to task `translate`, not {req.task!r}")
     if req.fields is not None and len(req.fields) > ctx.settings.max_fields:
         raise OCRError("validation_error", f"at most {ctx.settings.max_fields} fields")
     if req.json_schema is not None:
