@@ -75,6 +75,20 @@ def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
     assert all(torch.equal(tensors[name], again[name]) for name in tensors), "seeded: the same adapter twice"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 8 and set(config["target_modules"]) == {"o_proj", "down_proj"}
+    # the engine's LoRA warm-up adapter: every linear module of the text model, all zeros
+    from service.modelkit import LORA_MODULES
+
+    wide = load_file(str(write_lora_adapter(tmp_path / "wide", kit, seed=0, rank=16, std=0.0, modules=LORA_MODULES)
+                         / "adapter_model.safetensors"))
+    assert len(wide) == text["num_hidden_layers"] * 7 * 2 and all(not t.any() for t in wide.values())
+    expected = {"self_attn.q_proj": (1024, 2048), "self_attn.k_proj": (1024, 1024), "self_attn.v_proj": (1024, 1024),
+                "self_attn.o_proj": (2048, 1024), "mlp.gate_proj": (1024, 3584), "mlp.up_proj": (1024, 3584),
+                "mlp.down_proj": (3584, 1024)}
+    for module, (d_in, d_out) in expected.items():
+        assert wide[prefix.format(0) + module + ".lora_A.weight"].shape == (16, d_in), module
+        assert wide[prefix.format(0) + module + ".lora_B.weight"].shape == (d_out, 16), module
+    with pytest.raises(ValueError):
+        write_lora_adapter(tmp_path / "bad", kit, seed=0, modules=("qkv_proj",))
 
 
 def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
@@ -100,3 +114,25 @@ def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
     first, second = results["tasks"]
     assert second["text_sha256"] == first["text_sha256"], "the same page and task answer alike in every round"
     assert second["lora"]["adapter"]["text_sha256"] == first["lora"]["adapter"]["text_sha256"]
+
+
+def test_lora_warmup_script_runs_on_a_real_vllm_cpu_engine(tmp_path):
+    """`loadtest/lora_warmup.py --tiny`: the engine warms its LoRA kernels at start (a prompt of every length mod
+    16), then answers A4 pages with each task's prompt through an adapter, with the output lengths fixed; and
+    `--no-warmup` really skips the warm-up (the baseline it is compared with on the GPU)."""
+    root = Path(__file__).resolve().parents[1]
+    for extra, name in (([], "warm"), (["--no-warmup"], "cold")):
+        out = tmp_path / f"{name}.json"
+        run = subprocess.run([sys.executable, "loadtest/lora_warmup.py", "--tiny", "--rounds", "1", "--max-tokens",
+                              "4", "--out", str(out), *extra], cwd=root, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        results = json.loads(out.read_text())
+        assert [r["task"] for r in results["requests"]] == ["text", "extract", "spotting", "document"]
+        assert all(r["output_tokens"] == 4 and r["prompt_tokens"] > 2000 and r["kernels_compiled"] >= 0
+                   for r in results["requests"])
+        if name == "warm":
+            assert results["warmup"] and results["lora_warmup_ms"] > 0
+            assert sorted(n % 16 for n in results["lora_warmup_prompt_lengths"]) == list(range(16))
+        else:
+            assert not results["warmup"] and results["lora_warmup_ms"] is None
+            assert results["lora_warmup_prompt_lengths"] == []

@@ -183,6 +183,63 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
 
 
 
+async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """With LoRA slots on, start() runs a page through a zero adapter on all seven linear modules of the text
+    model, with prompts of every length mod 16, then frees its slot. On the GPU, vLLM compiles its Triton LoRA
+    kernels on first use, per length class: a fresh engine's first adapter request took 3.9 s against 0.6 s
+    repeated (docs/BENCHMARKS.md, twenty-third session). Here: the warm-up ran, covered every residue and left
+    nothing loaded; vLLM applies each module such an adapter names (each alone moves the logprobs), so the warm-up
+    reaches every LoRA layer; the zero adapter changes nothing; a failing warm-up is logged and the engine serves on."""
+    import logging
+
+    from service.engine.protocol import EngineRequest
+    from service.engine.vllm_engine import VLLMEngine
+    from service.modelkit import LORA_MODULES, write_lora_adapter
+    from service.settings import Settings
+
+    engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024,
+                                 max_num_seqs=4, kv_cache_memory_gb=0.25, enable_lora=True, max_loras=1,
+                                 max_lora_rank=8, max_adapters_per_replica=1))
+    await engine.start()
+    try:
+        assert engine.lora_warmup_ms is not None and engine.lora_warmup_ms > 0
+        lengths = engine.lora_warmup_prompt_lengths
+        assert len(lengths) == 16 and {n % 16 for n in lengths} == set(range(16)), lengths
+        assert not await engine._llm.list_loras() and await engine.list_adapters() == []
+        white = b"\xff" * (256 * 192 * 3)
+
+        def page(name: str, adapter: str | None = None) -> EngineRequest:
+            return EngineRequest(request_id=name, task="text", image_rgb=white, width=256, height=192,
+                                 prompt="Read it.", max_tokens=6, adapter=adapter)
+
+        def moved(result, base) -> float:
+            return max(abs(a.logprob - b.logprob) for a, b in zip(result.tokens, base.tokens))
+
+        base = await engine.generate(page("base"))
+        for module in LORA_MODULES:
+            name = "only-" + module.replace("_", "-")
+            await engine.load_adapter(name, str(write_lora_adapter(tmp_path / name, tiny_model_dir, seed=3, rank=8,
+                                                                   modules=(module,))))
+            assert moved(await engine.generate(page(name, name)), base) > 1e-3, module
+        zero = write_lora_adapter(tmp_path / "zero", tiny_model_dir, seed=0, rank=8, std=0.0, modules=LORA_MODULES)
+        await engine.load_adapter("zero", str(zero))
+        with_zero = await engine.generate(page("zero", "zero"))
+        assert [t.token for t in with_zero.tokens] == [t.token for t in base.tokens] and moved(with_zero, base) < 1e-4
+
+        def broken(*args, **kwargs):
+            raise OSError("disk full")
+
+        monkeypatch.setattr("service.modelkit.write_lora_adapter", broken)
+        engine.lora_warmup_ms = None
+        with caplog.at_level(logging.WARNING, logger="service.engine.vllm_engine"):
+            await engine._warm_lora_kernels()
+        assert engine.lora_warmup_ms is None and "LoRA kernel warm-up failed (OSError)" in caplog.text
+        again = await engine.generate(page("after-failed-warmup"))
+        assert [t.token for t in again.tokens] == [t.token for t in base.tokens]
+    finally:
+        await engine.shutdown()
+
+
 def test_engine_core_timings_come_from_vllms_request_stats_on_one_clock():
     """generate: the engine core's first to last token; delivery: from that last token to this process seeing the
     output (both CLOCK_MONOTONIC on Linux). No stats (vLLM keeps none without a stat logger), no first token, or
