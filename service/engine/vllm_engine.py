@@ -234,6 +234,7 @@ class VLLMEngine:
         started = time.perf_counter()
         white = np.full((LORA_WARMUP_PAGE_SIDE, LORA_WARMUP_PAGE_SIDE, 3), 255, dtype=np.uint8)
         lengths: list[int] = []
+        covered: set[int] = set()  # residues mod 16 already run
         try:
             with tempfile.TemporaryDirectory(prefix="ocr-lora-warmup-") as tmp:
                 path = write_lora_adapter(Path(tmp) / "warmup", self.model_dir, seed=0, std=0.0,
@@ -241,18 +242,19 @@ class VLLMEngine:
                 lora = LoRARequest("ocr-lora-warmup", WARMUP_LORA_ID, str(path))
                 try:
                     for filler in range(4 * LORA_WARMUP_RESIDUES):  # " ." is about a token: more than enough
-                        if len(lengths) == LORA_WARMUP_RESIDUES:
+                        if len(covered) == LORA_WARMUP_RESIDUES:
                             break
                         prompt = self.render_prompt("Read the text." + " ." * filler)
                         (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, white)])
                         length = len(engine_input.get("prompt_token_ids") or ())
-                        if length % LORA_WARMUP_RESIDUES in {n % LORA_WARMUP_RESIDUES for n in lengths}:
+                        if length % LORA_WARMUP_RESIDUES in covered:
                             continue
                         params = SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2)
                         async for _ in llm.generate(engine_input, params, f"lora-warmup-{length}-"
                                                     f"{uuid.uuid4().hex[:8]}", lora_request=lora):
                             pass
                         lengths.append(length)
+                        covered.add(length % LORA_WARMUP_RESIDUES)
                 finally:
                     await llm.remove_lora(WARMUP_LORA_ID)
         except Exception as exc:  # noqa: BLE001 - an optimisation; the engine serves without it
