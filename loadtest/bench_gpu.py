@@ -117,6 +117,28 @@ def split_label(name: str) -> tuple[str, str | None]:
     return core, (label if sep else None)
 
 
+def client_label(name: str) -> str | None:
+    """The bench's own label of a second sweep of one server (--raw-lean, --no-confidence, --lora), always the last:
+    `service@dual@adapter` → `adapter`; `service@dual` → None."""
+    label = name.rpartition(LABEL_SEP)[2] if LABEL_SEP in name else None
+    return label if label in CLIENT_LABELS else None
+
+
+def server_of(name: str) -> str:
+    """The server process a sweep ran on: `service@dual@adapter` → `service@dual`; a server's own sweep is itself."""
+    return name.rpartition(LABEL_SEP)[0] if client_label(name) else name
+
+
+def label_references(name: str) -> list[str]:
+    """What a labelled sweep is compared with: `raw@fp8` → [raw]; `service@adapter` → [service];
+    `service@dual@adapter` → [service@dual, service@adapter]."""
+    core, label = split_label(name)
+    client = client_label(name)
+    if client is None or label == client:
+        return [server_of(name) if client else core]
+    return [server_of(name), f"{core}{LABEL_SEP}{client}"]
+
+
 def base_part(name: str) -> str:
     """The part a variant belongs to: raw_api4 → raw, service_x2@fp8 → service; others are their own."""
     core, _ = split_label(name)
@@ -750,9 +772,9 @@ class Bench:
 
     def client_sweeps(self, name: str) -> list[tuple[str, str, dict[str, Any]]]:
         """Sweeps of server part `name` after its own, with other requests: (label, what the client sends, the
-        target's changed fields). Only unlabelled servers get them, so each is compared with exactly one plain
-        sweep of the same server process."""
-        if split_label(name)[1]:
+        target's changed fields), each compared with the plain sweep of the same server process. Labelled servers
+        get them only with --sweep-labelled (each one is another sweep's time)."""
+        if split_label(name)[1] and not self.args.sweep_labelled:
             return []
         sweeps = []
         if base_part(name) in ("service", "direct"):
@@ -777,12 +799,12 @@ class Bench:
 
     def label_env(self, name: str) -> dict[str, str]:
         """Environment variables of a part's @LABEL (`--variant LABEL:env:NAME=VALUE`) for its server processes."""
-        _, label = split_label(name)
+        _, label = split_label(server_of(name))
         return dict(self.args.variant_env.get(label, {})) if label else {}
 
     def label_engine_args(self, name: str) -> dict[str, Any]:
         """The engine arguments of a part's @LABEL (`--variant LABEL:NAME=VALUE`); none for an unlabelled part."""
-        _, label = split_label(name)
+        _, label = split_label(server_of(name))
         return dict(self.args.variants.get(label, {})) if label else {}
 
     def lora_settings(self) -> dict[str, Any]:
@@ -1186,11 +1208,14 @@ class Bench:
                         comparisons.append({"level": level, "service": service_name, "raw": raw_best[level][0],
                                             **step_ratio(s, raw_best[level][1])})
             entry["service_vs_raw"] = comparisons
-            # each @LABEL server against the same server without the label, per concurrency (engine settings)
+            # each @LABEL server against the same server without the label, per concurrency (engine settings); a
+            # second sweep against its own server's plain sweep (service@dual@adapter against service@dual) and
+            # against the unlabelled server's sweep with the same requests (against service@adapter)
             entry["label_vs_plain"] = [
-                {"level": level, "part": name, "plain": split_label(name)[0], **step_ratio(s, plain[level][1])}
+                {"level": level, "part": name, "plain": plain_name, **step_ratio(s, plain[level][1])}
                 for name in servers if split_label(name)[1]
-                for plain in [best_by_level(parts, [split_label(name)[0]], w.name)]
+                for plain_name in label_references(name)
+                for plain in [best_by_level(parts, [plain_name], w.name)]
                 for level, (_, s) in sorted(best_by_level(parts, [name], w.name).items()) if level in plain]
             # the layers apart: our API and engine without Ray (direct) against raw, each service against direct
             raw_plain = best_by_level(parts, [n for n in servers if base_part(n) == "raw" and not split_label(n)[1]],
@@ -1198,14 +1223,14 @@ class Bench:
             direct_plain = best_by_level(parts, ["direct"], w.name)
             entry["layers"] = [
                 {"level": level, "part": name, "against": against[level][0], **step_ratio(s, against[level][1])}
-                for name in servers if split_label(name)[1] not in CLIENT_LABELS
+                for name in servers if client_label(name) is None
                 for against in [raw_plain if name == "direct" else direct_plain if base_part(name) == "service"
                                 else {}]
                 for level, (_, s) in sorted(best_by_level(parts, [name], w.name).items()) if level in against]
             for kind in ("raw", "service"):
                 # a second sweep with other requests (no logprobs) is not the same work: never the best server
                 kind_peaks = {n: pk for n, pk in peaks.items()
-                              if base_part(n) == kind and split_label(n)[1] not in CLIENT_LABELS}
+                              if base_part(n) == kind and client_label(n) is None}
                 if kind_peaks:
                     name = max(kind_peaks, key=lambda n: throughput(kind_peaks[n]))
                     entry[f"best_{kind}"] = {"part": name, **kind_peaks[name]}
@@ -1624,6 +1649,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="store_true", help="our servers (service, direct) with LoRA slots holding one "
                    f"seeded random adapter, {LORA_ADAPTER!r}; each is swept once more with every request naming it, "
                    "as PART@adapter (raw vLLM stays without LoRA)")
+    p.add_argument("--sweep-labelled", action="store_true", help="labelled servers (PART@LABEL) get the second "
+                   "sweeps too (--lora, --raw-lean, --no-confidence), as PART@LABEL@adapter and so on, each compared "
+                   "with PART@LABEL and with PART@adapter")
     p.add_argument("--lora-rank", type=int, default=16, help="--lora: the adapter's rank and the slots' max_lora_rank "
                    "(default 16, the service's own max_lora_rank)")
     p.add_argument("--variant", action="append", default=[], type=_variant_arg, metavar="LABEL:NAME=JSON",

