@@ -7,10 +7,11 @@
 vLLM compiles its Triton LoRA kernels on first use. On the H200 a fresh engine's first adapter request took 3.9 s
 against 0.6 s repeated (docs/BENCHMARKS.md, twenty-third session), so `VLLMEngine.start()` runs a zero adapter
 through prompts of every length mod 16 before it takes traffic (`_warm_lora_kernels`). This script starts the
-engine itself (no Ray: it starts in about half the time of the Serve app), then sends an A4 page with each task's
+engine itself (no Ray, so it needs only the vLLM parts on the GPU machine), then sends an A4 page with each task's
 prompt through a seeded random adapter, `--rounds` times, with fixed output lengths. Each request records its
 engine time, its prompt length and the kernels that appeared in vLLM's and Triton's caches meanwhile
-(`kernels_compiled`, as in gpu_tasks.py). With the warm-up working, the first round costs what the second does.
+(`kernels_compiled`, as in gpu_tasks.py). With the warm-up working, no request compiles a kernel, and the
+first round costs about what the second does (its first request also loads the adapter into a slot).
 """
 
 from __future__ import annotations
