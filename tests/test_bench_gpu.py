@@ -491,6 +491,28 @@ def test_env_variants_and_second_sweeps_reach_the_servers_and_requests(tmp_path,
     assert bench.results["parts"]["service@noconf"]["client"].startswith("confidence: false")
 
 
+def _record_service_runs(monkeypatch, bench):
+    """Our service's starts and sweeps recorded instead of run: [(settings, extra_env)] and [(part, target)]."""
+    started, sweeps = [], []
+
+    class Proc:
+        pid = os.getpid()
+
+        def stop(self, timeout_s):
+            pass
+
+    def fake_service(settings, *args, extra_env=None, **kwargs):
+        started.append((settings, extra_env or {}))
+        return Proc(), "http://127.0.0.1:1"
+
+    async def fake_sweep(part, url, target, reserve_s, scrape=None, docs=None):
+        sweeps.append((part, target))
+
+    monkeypatch.setattr(bench_gpu, "start_service", fake_service)
+    monkeypatch.setattr(bench, "_sweep_server", fake_sweep)
+    return started, sweeps
+
+
 def test_lora_gives_our_servers_slots_and_sweeps_them_again_naming_the_adapter(tmp_path, monkeypatch):
     """`--lora`: the run writes one seeded adapter next to the kit; our service starts with LoRA slots holding it
     and is swept twice, plainly and as service@adapter with every request naming it; raw vLLM starts without
@@ -509,25 +531,9 @@ def test_lora_gives_our_servers_slots_and_sweeps_them_again_naming_the_adapter(t
     Settings(**settings)  # settings the service accepts
     assert "enable_lora" not in bench.settings and "enable_lora" not in bench.raw_variant_engine_args("raw")
 
-    started, sweeps = [], []
-
-    class Proc:
-        pid = os.getpid()
-
-        def stop(self, timeout_s):
-            pass
-
-    def fake_service(settings, *args, extra_env=None, **kwargs):
-        started.append(settings)
-        return Proc(), "http://127.0.0.1:1"
-
-    async def fake_sweep(part, url, target, reserve_s, scrape=None, docs=None):
-        sweeps.append((part, target))
-
-    monkeypatch.setattr(bench_gpu, "start_service", fake_service)
-    monkeypatch.setattr(bench, "_sweep_server", fake_sweep)
+    started, sweeps = _record_service_runs(monkeypatch, bench)
     bench.part_service("service", ["service"])
-    assert started[0]["enable_lora"] is True and [name for name, _ in sweeps] == ["service", "service@adapter"]
+    assert started[0][0]["enable_lora"] is True and [name for name, _ in sweeps] == ["service", "service@adapter"]
     targets = dict(sweeps)
     job, doc = run.WORKLOADS["id_card"][0], make_documents("id_card", 1)[0]
     assert json.loads(targets["service@adapter"].body(job, doc))["adapter"] == bench_gpu.LORA_ADAPTER
@@ -562,27 +568,12 @@ def test_sweep_labelled_gives_labelled_servers_the_adapter_sweep_compared_both_w
     assert bench.estimate_s(["service@dual"]) - plain.estimate_s(["service@dual"]) == pytest.approx(
         bench.estimate_server_s())
     bench.prepare()
-    started, sweeps = [], []
-
-    class Proc:
-        pid = os.getpid()
-
-        def stop(self, timeout_s):
-            pass
-
-    def fake_service(settings, *args, extra_env=None, **kwargs):
-        started.append(extra_env.get("VLLM_LORA_ENABLE_DUAL_STREAM"))
-        return Proc(), "http://127.0.0.1:1"
-
-    async def fake_sweep(part, url, target, reserve_s, scrape=None, docs=None):
-        sweeps.append((part, target))
-
-    monkeypatch.setattr(bench_gpu, "start_service", fake_service)
-    monkeypatch.setattr(bench, "_sweep_server", fake_sweep)
+    started, sweeps = _record_service_runs(monkeypatch, bench)
     parts = ["service", "service@dual"]
     for part in parts:
         bench.part_service(part, parts)
-    assert started == [None, "1"]  # one process per server: the adapter sweeps reuse them
+    # one process per server, the adapter sweeps reuse them
+    assert [env.get("VLLM_LORA_ENABLE_DUAL_STREAM") for _, env in started] == [None, "1"]
     assert [name for name, _ in sweeps] == ["service", "service@adapter", "service@dual", "service@dual@adapter"]
     targets = dict(sweeps)
     job, doc = run.WORKLOADS["id_card"][0], make_documents("id_card", 1)[0]
