@@ -223,8 +223,8 @@ class VLLMEngine:
         lengths decides, not the size. Triton specialises integer arguments and addresses on divisibility by 16,
         so one small page with prompts of every length mod 16 covers the classes: on the H200 it took 5.1 s, and
         no request compiled a kernel after it (twenty-fourth session). Decode steps run in the CUDA graphs vLLM
-        captured with LoRA. The adapter takes a slot only while
-        this runs. A failure costs users the compile, not the replica: it is logged and start-up goes on."""
+        captured with LoRA. The adapter takes a slot only while this runs. A failure costs users the compile, not
+        the replica: it is logged and start-up goes on."""
         import numpy as np
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
