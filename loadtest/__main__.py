@@ -9,6 +9,7 @@
     python -m loadtest bench preprocess   image preprocessing images/s per backend and thread count (no GPU)
     python -m loadtest bench encoder ...  the vision tower alone on the GPU: ms per image, kernels (vLLM + CUDA)
     python -m loadtest bench pool A B     pool the rounds of several `bench gpu --parts pair` runs (no GPU)
+    python -m loadtest bench lora-kernels tune vLLM's Triton LoRA kernels for the model's layers on this GPU
 
 `python -m loadtest CMD --help` lists each command's options; docs/BENCHMARKS.md has the exact commands behind
 the published numbers.
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "preprocess": "loadtest.bench_preprocess",
     "encoder": "loadtest.profile_encoder",
     "pool": "loadtest.pool_pairs",
+    "lora-kernels": "loadtest.lora_kernels",
 }
 
 

@@ -267,6 +267,19 @@ def write_kit(out: Path, *, tiny: bool, weights: bool, seed: int = 0) -> dict[st
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def text_linear_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, int]], int]:
+    """The text model's linear modules a LoRA adapter may target, as {"self_attn.q_proj": (in, out), ...} in
+    LORA_MODULES order, and the number of layers that each have them."""
+    text = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
+    hidden, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    head_dim = text.get("head_dim", hidden // text["num_attention_heads"])
+    attention = text["num_attention_heads"] * head_dim
+    kv = text.get("num_key_value_heads", text["num_attention_heads"]) * head_dim
+    return {"self_attn.q_proj": (hidden, attention), "self_attn.k_proj": (hidden, kv),
+            "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (attention, hidden),
+            "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}, layers
+
+
 def write_lora_adapter(directory: Path, model_dir: Path, *, seed: int, rank: int = 8, std: float = 0.5,
                        modules: tuple[str, ...] = ("o_proj", "down_proj")) -> Path:
     """A PEFT-format LoRA adapter for a kit's text model: `modules` of every layer (default o_proj and down_proj; any
@@ -277,14 +290,7 @@ def write_lora_adapter(directory: Path, model_dir: Path, *, seed: int, rank: int
     import torch
     from safetensors.torch import save_file
 
-    text = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
-    hidden, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
-    head_dim = text.get("head_dim", hidden // text["num_attention_heads"])
-    attention = text["num_attention_heads"] * head_dim
-    kv = text.get("num_key_value_heads", text["num_attention_heads"]) * head_dim
-    all_shapes = {"self_attn.q_proj": (hidden, attention), "self_attn.k_proj": (hidden, kv),
-                  "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (attention, hidden),
-                  "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+    all_shapes, layers = text_linear_shapes(model_dir)
     shapes = {name: shape for name, shape in all_shapes.items() if name.split(".")[1] in modules}
     if len(shapes) != len(modules):
         raise ValueError(f"LoRA modules must be among {LORA_MODULES}, got {modules}")

