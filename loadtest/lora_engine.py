@@ -35,14 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadtest.gpu_tasks import (compiled_kernels, device_name, kernel_cache_roots,  # noqa: E402
                                 lora_engine_settings)
+from loadtest.run import percentile  # noqa: E402
 
 ADAPTER = "probe"
 CARDS = 8  # distinct cards, cycled: the same sizes and prompt, not one image repeated
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 async def closed_loop(engine, requests: list, clients: int, per_client: int, adapter: str | None) -> dict:
@@ -70,9 +66,9 @@ async def closed_loop(engine, requests: list, clients: int, per_client: int, ada
     await asyncio.gather(*(client(i) for i in range(clients)))
     seconds = time.perf_counter() - started
     return {"clients": clients, "adapter": adapter, "requests": len(latencies), "seconds": round(seconds, 3),
-            "docs_s": round(len(latencies) / seconds, 3), "p50_ms": round(percentile(latencies, 0.5), 1),
-            "p95_ms": round(percentile(latencies, 0.95), 1),
-            "first_token_p50_ms": round(percentile(first_tokens, 0.5), 1),
+            "docs_s": round(len(latencies) / seconds, 3), "p50_ms": round(percentile(latencies, 50), 1),
+            "p95_ms": round(percentile(latencies, 95), 1),
+            "first_token_p50_ms": round(percentile(first_tokens, 50), 1),
             "output_tokens": sorted(set(tokens)), "answer_digests": sorted(digests),
             "kernels_compiled": compiled_kernels(roots) - kernels}
 

@@ -5,8 +5,8 @@
 
 vLLM runs each LoRA layer as two Triton kernels: shrink (x·A, the layer's input down to the rank) and expand (·B,
 the rank up to the layer's outputs, added onto the base layer's result). Without tuned configs it logs "Using
-default LoRA kernel configs" and launches one block shape for every size; on the H200, 32 ID-card clients lost
-22% of their throughput to an adapter (docs/BENCHMARKS.md, twenty-fourth session).
+default LoRA kernel configs" and launches one block shape for every size; on the H200 those cost 0.8 ms per
+decode step of this model (docs/BENCHMARKS.md, twenty-fifth session).
 
 This script takes the layers vLLM builds for the model (q/k/v packed as 3 slices, gate/up as 2, o and down), the
 slots' rank and the token counts of the engine's steps, and times every candidate config of each kernel inside a
@@ -60,7 +60,6 @@ class KernelShape:
     k: int
     n: int
     output_slices: tuple[int, ...]
-    input_size: int
     layers: tuple[str, ...]
     calls_per_step: int
 
@@ -84,7 +83,6 @@ def kernel_shapes(model_dir: Path, rank: int) -> list[KernelShape]:
             key = (op, len(parts), k, n)
             known = shapes.get(key)
             shapes[key] = KernelShape(op=op, num_slices=len(parts), k=k, n=n, output_slices=outputs,
-                                      input_size=input_size,
                                       layers=(known.layers if known else ()) + (packed,),
                                       calls_per_step=(known.calls_per_step if known else 0) + num_layers)
     return list(shapes.values())

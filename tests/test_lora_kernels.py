@@ -123,7 +123,6 @@ def test_vllms_lookup_reads_the_tuned_files_for_every_layer_and_step_size(full_k
                     rank=shape.n if shape.op == "shrink" else shape.k, num_slices=shape.num_slices,
                     add_inputs=True if shape.op == "expand" else None)
                 assert got == best[shape, tuned_at], (shape.label, step)
-                assert got != default_config(shape, 4, step) or best[shape, tuned_at] == default_config(shape, 4, step)
     finally:
         utils.load_lora_op_config.cache_clear()
         utils.get_lora_op_configs.cache_clear()
