@@ -45,6 +45,7 @@ async def closed_loop(engine, requests: list, clients: int, per_client: int, ada
     from service.engine.protocol import EngineRequest
 
     latencies: list[float] = []
+    slow: list[tuple[float, float]] = []  # (sent, ms after the run started): where a stall sits in the engine log
     first_tokens: list[float] = []
     tokens: list[int] = []
     digests: set[str] = set()  # of the answers, never the text: the adapter must change them
@@ -56,12 +57,14 @@ async def closed_loop(engine, requests: list, clients: int, per_client: int, ada
             sent = time.perf_counter()
             result = await engine.generate(request)
             latencies.append((time.perf_counter() - sent) * 1000)
+            slow.append((latencies[-1], sent - started))
             first_tokens.append(result.first_token_ms or 0.0)
             tokens.append(result.output_tokens)
             digests.add(hashlib.sha256(result.text.encode()).hexdigest()[:12])
 
     roots = kernel_cache_roots()
     kernels = compiled_kernels(roots)
+    started_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
     started = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(clients)))
     seconds = time.perf_counter() - started
@@ -70,7 +73,8 @@ async def closed_loop(engine, requests: list, clients: int, per_client: int, ada
             "p95_ms": round(percentile(latencies, 95), 1),
             "first_token_p50_ms": round(percentile(first_tokens, 50), 1),
             "output_tokens": sorted(set(tokens)), "answer_digests": sorted(digests),
-            "kernels_compiled": compiled_kernels(roots) - kernels}
+            "kernels_compiled": compiled_kernels(roots) - kernels, "started_at": started_at,
+            "slowest": [{"sent_s": round(at, 3), "ms": round(ms, 1)} for ms, at in sorted(slow, reverse=True)[:3]]}
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -83,8 +87,11 @@ async def run(args: argparse.Namespace) -> dict:
     from service.engine.vllm_engine import VLLMEngine
     from service.modelkit import LORA_MODULES
 
+    # --jit-verbose: vLLM logs every Triton compile after its warm-up with the kernel's constexprs and signature
+    # (the default logs each kernel name once), so a stall can be matched to what compiled
     settings = lora_engine_settings(ADAPTER, tiny=args.tiny, rank=args.rank, max_tokens=args.max_tokens,
-                                    kv_cache_gb=0.5, modules=LORA_MODULES, enable_prefix_caching=False)
+                                    kv_cache_gb=0.5, modules=LORA_MODULES, enable_prefix_caching=False,
+                                    vllm_extra_args={"jit_monitor_verbose": True} if args.jit_verbose else {})
     prompt = build_prompt(OCRRequest(task="extract", fields=list(ID_CARD_FIELDS)), settings)
     requests = []
     for seed in range(CARDS):
@@ -97,11 +104,14 @@ async def run(args: argparse.Namespace) -> dict:
                      "tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"), "rank": args.rank,
                      "max_loras": settings.max_loras, "max_tokens": args.max_tokens,
                      "requests_per_client": args.requests_per_client, "warmup_rounds": args.warmup_rounds,
-                     "runs": []}
+                     "jit_verbose": args.jit_verbose, "runs": []}
     started = time.perf_counter()
     await engine.start()
     results["start_s"] = round(time.perf_counter() - started, 1)
-    print(json.dumps({k: v for k, v in results.items() if k != "runs"}), flush=True)
+    results["lora_warmup_ms"] = engine.lora_warmup_ms and round(engine.lora_warmup_ms)
+    results["lora_warmup_prompt_lengths"] = engine.lora_warmup_prompt_lengths
+    print(json.dumps({k: v for k, v in results.items() if k not in ("runs", "lora_warmup_prompt_lengths")}),
+          flush=True)
     try:
         for clients in args.levels:
             # unmeasured rounds at this level first: on the H200 one request per client was not enough, the
@@ -159,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="unmeasured plain/adapter pairs per level before the rounds (default 1)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (fixed)")
     parser.add_argument("--rank", type=int, default=16, help="the adapter's rank and the slots' max_lora_rank")
+    parser.add_argument("--jit-verbose", action="store_true",
+                        help="have vLLM log every kernel compiled after its warm-up, with its specialisation")
     args = parser.parse_args(argv)
     if args.compare:
         a, b = (json.loads(Path(p).read_text()) for p in args.compare)

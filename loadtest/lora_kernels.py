@@ -38,54 +38,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from service.engine.lora_kernels import (PACKED_LAYERS, KernelShape, config_key, kernel_shapes,  # noqa: E402
+                                         vllm_config)
+
 # the token counts of the engine's steps: its CUDA-graph sizes for decode batches, then prefill chunks up to the
 # H200's default max_num_batched_tokens (8192); vLLM picks the nearest for counts in between
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192)
 # Triton compiles one variant per integer-argument class (== 1, divisible by 16, other): one token count of each
 COMPILE_TOKEN_COUNTS = (1, 8, 16)
-# vLLM's MergedQKV and MergedColumn LoRA layers (its HunYuan model's packed_modules_mapping), then o and down
-PACKED_LAYERS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)),
-                 ("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
 RETIME_BEST = 3
 RETIME_REPEATS = 5
-
-
-@dataclass(frozen=True)
-class KernelShape:
-    """One LoRA kernel as vLLM launches it: `k` and `n` are the config keys (shrink: input size and rank; expand:
-    rank and the widest output slice); `calls_per_step` counts its launches in one engine step."""
-
-    op: str
-    num_slices: int
-    k: int
-    n: int
-    output_slices: tuple[int, ...]
-    layers: tuple[str, ...]
-    calls_per_step: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.op} {'+'.join(self.layers)} ({self.num_slices} slice{'s' * (self.num_slices > 1)}, " \
-               f"K {self.k}, N {self.n})"
-
-
-def kernel_shapes(model_dir: Path, rank: int) -> list[KernelShape]:
-    """The distinct shrink and expand kernels of the model's LoRA layers, with how often each runs per step."""
-    from service.modelkit import text_linear_shapes
-
-    linear, num_layers = text_linear_shapes(model_dir)
-    by_name = {name.split(".")[1]: shape for name, shape in linear.items()}
-    shapes: dict[tuple, KernelShape] = {}
-    for packed, parts in PACKED_LAYERS:
-        input_size = by_name[parts[0]][0]
-        outputs = tuple(by_name[part][1] for part in parts)
-        for op, k, n in (("shrink", input_size, rank), ("expand", rank, max(outputs))):
-            key = (op, len(parts), k, n)
-            known = shapes.get(key)
-            shapes[key] = KernelShape(op=op, num_slices=len(parts), k=k, n=n, output_slices=outputs,
-                                      layers=(known.layers if known else ()) + (packed,),
-                                      calls_per_step=(known.calls_per_step if known else 0) + num_layers)
-    return list(shapes.values())
 
 
 def check_packed_layers() -> None:
@@ -129,21 +91,7 @@ def candidates(shape: KernelShape) -> list[dict]:
 
 def default_config(shape: KernelShape, max_loras: int, tokens: int) -> dict:
     """vLLM's own choice without tuned configs (its function, with the tuned folder unset)."""
-    from vllm.lora.ops.triton_ops import utils
-
-    saved = os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
-    try:
-        return dict(utils.get_lora_op_configs.__wrapped__(
-            shape.op, max_loras=max_loras + 1, batch=tokens, hidden_size=shape.k if shape.op == "shrink" else shape.n,
-            rank=shape.n if shape.op == "shrink" else shape.k, num_slices=shape.num_slices,
-            add_inputs=True if shape.op == "expand" else None))
-    finally:
-        if saved is not None:
-            os.environ["VLLM_TUNED_CONFIG_FOLDER"] = saved
-
-
-def config_key(config: dict) -> tuple:
-    return tuple(sorted(config.items()))
+    return vllm_config(shape, max_loras, tokens, tuned=False)
 
 
 @dataclass

@@ -6,7 +6,8 @@
 
 vLLM compiles its Triton LoRA kernels on first use. On the H200 a fresh engine's first adapter request took 3.9 s
 against 0.6 s repeated (docs/BENCHMARKS.md, twenty-third session), so `VLLMEngine.start()` runs a zero adapter
-through prompts of every length mod 16 before it takes traffic (`_warm_lora_kernels`). This script starts the
+through prompts of every length mod 16 in each range of token counts where vLLM keeps one kernel config before it
+takes traffic (`_warm_lora_kernels`, service/engine/lora_kernels.py). This script starts the
 engine itself (no Ray, so it needs only the vLLM parts on the GPU machine), then sends an A4 page with each task's
 prompt through a seeded random adapter, `--rounds` times, with fixed output lengths. Each request records its
 engine time, its prompt length and the kernels that appeared in vLLM's and Triton's caches meanwhile

@@ -118,8 +118,8 @@ def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
 
 
 def test_lora_warmup_script_runs_on_a_real_vllm_cpu_engine(tmp_path):
-    """`loadtest/lora_warmup.py --tiny`: the engine warms its LoRA kernels at start (a prompt of every length mod
-    16), then answers A4 pages with each task's prompt through an adapter, with the output lengths fixed; and
+    """`loadtest/lora_warmup.py --tiny`: the engine warms its LoRA kernels at start (every length mod 16 of both
+    default-config ranges), then answers A4 pages with each task's prompt through an adapter, with the output lengths fixed; and
     `--no-warmup` really skips the warm-up (the baseline it is compared with on the GPU)."""
     root = Path(__file__).resolve().parents[1]
     for extra, name in (([], "warm"), (["--no-warmup"], "cold")):
@@ -133,7 +133,7 @@ def test_lora_warmup_script_runs_on_a_real_vllm_cpu_engine(tmp_path):
                    for r in results["requests"])
         if name == "warm":
             assert results["warmup"] and results["lora_warmup_ms"] > 0
-            assert sorted(n % 16 for n in results["lora_warmup_prompt_lengths"]) == list(range(16))
+            assert results["lora_warmup_prompt_lengths"] == [*range(1, 17), *range(128, 144)]
         else:
             assert not results["warmup"] and results["lora_warmup_ms"] is None
             assert results["lora_warmup_prompt_lengths"] == []
@@ -146,7 +146,7 @@ def test_lora_engine_script_alternates_plain_and_adapter_runs_on_a_real_vllm_cpu
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "engine.json"
     run = subprocess.run([sys.executable, "loadtest/lora_engine.py", "--tiny", "--levels", "2", "--rounds", "2",
-                          "--requests-per-client", "2", "--max-tokens", "4", "--out", str(out)],
+                          "--requests-per-client", "2", "--max-tokens", "4", "--jit-verbose", "--out", str(out)],
                          cwd=root, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -154,6 +154,11 @@ def test_lora_engine_script_alternates_plain_and_adapter_runs_on_a_real_vllm_cpu
                                                                       (2, None)]
     assert all(r["requests"] == 4 and r["output_tokens"] == [4] and r["docs_s"] > 0 and r["kernels_compiled"] >= 0
                for r in results["runs"])
+    assert results["jit_verbose"] is True
+    for r in results["runs"]:  # the slowest requests, slowest first, sent within the run
+        assert len(r["slowest"]) == 3 and [s["ms"] for s in r["slowest"]] == sorted((s["ms"] for s in r["slowest"]),
+                                                                                     reverse=True), r["slowest"]
+        assert all(0 <= s["sent_s"] <= r["seconds"] for s in r["slowest"]) and r["slowest"][0]["ms"] >= r["p95_ms"], r
     plain = {d for r in results["runs"] if r["adapter"] is None for d in r["answer_digests"]}
     adapter = {d for r in results["runs"] if r["adapter"] for d in r["answer_digests"]}
     assert plain and adapter and not plain & adapter

@@ -49,8 +49,6 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 HEALTH_IMAGE_SIDE = 32
 HEALTH_PROBE_SKIP_S = 30.0  # a request that completed this recently proves the engine generates
 WARMUP_LORA_ID = 2**31 - 1  # the warm-up adapter's id: adapters count up from 1 and never reach it
-LORA_WARMUP_PAGE_SIDE = 512  # a white page of 274 image tokens, the fewest a page can have (min_pixels 512²)
-LORA_WARMUP_RESIDUES = 16  # prompt lengths mod 16 the warm-up covers (what Triton specialises on)
 
 
 @dataclass
@@ -120,7 +118,7 @@ class VLLMEngine:
         self._special_ids: set[int] = set()
         self._last_success = float("-inf")  # monotonic time the last generation completed
         self.lora_warmup_ms: float | None = None  # set once the LoRA kernels are warmed up (enable_lora)
-        self.lora_warmup_prompt_lengths: list[int] = []  # the warm-up's prompts, one per residue mod 16
+        self.lora_warmup_prompt_lengths: list[int] = []  # the warm-up's prompt lengths (service.engine.lora_kernels)
         self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # loaded in vLLM, least recent first
         self._registered: dict[str, str] = {}  # name -> path added at run time (admin load with a path)
         self._next_lora_id = 1
@@ -216,46 +214,45 @@ class VLLMEngine:
 
     async def _warm_lora_kernels(self) -> None:
         """With LoRA slots on, run short generations through a zero adapter on every linear module before taking
-        traffic. vLLM compiles its Triton LoRA kernels on first use for each new specialisation, and its own
-        warm-up leaves out most prefill lengths: on the H200 a fresh engine's first adapter request (a 2,231-token
-        prompt) took 3.9 s against 0.6 s repeated, with 6 kernels compiled; a 2,291-token one compiled none after
-        it, a 2,276-token one 3, a 2,410-token one none (docs/BENCHMARKS.md, twenty-third session): a class of
-        lengths decides, not the size. Triton specialises integer arguments and addresses on divisibility by 16,
-        so one small page with prompts of every length mod 16 covers the classes: on the H200 it took 5.1 s, and
-        no request compiled a kernel after it (twenty-fourth session). Decode steps run in the CUDA graphs vLLM
-        captured with LoRA. The adapter takes a slot only while this runs. A failure costs users the compile, not
-        the replica: it is logged and start-up goes on."""
-        import numpy as np
+        traffic. vLLM compiles its Triton LoRA kernels on first use, per block config and per class of the step's
+        token count, and its own warm-up leaves most of them out: on the H200 a fresh engine's first adapter request
+        (a 2,231-token prompt) took 3.9 s against 0.6 s repeated, with 6 kernels compiled (docs/BENCHMARKS.md,
+        twenty-third session). Every token count residue mod 16 in every range of token counts with one config
+        choice and one way of running (CUDA graph or eager; service.engine.lora_kernels) covers them. With vLLM's
+        default configs that was 32 prompts in 2.5 s on the H200, and no request compiled a kernel after it; with
+        tuned configs (`VLLM_TUNED_CONFIG_FOLDER`) 200 prompts in 27-29 s, where a warm-up of one range had let 7
+        kernels compile during traffic (twenty-sixth session; the split where the graphs end came after, 33 and
+        216 prompts). A prompt of n tokens makes one prefill step of n tokens, so the prompts are token ids, no image
+        (the vision tower has no LoRA layers). The adapter takes a slot only while this runs. A failure costs users
+        the compile, not the replica: it is logged and start-up goes on."""
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
 
+        from service.engine.lora_kernels import config_ranges, kernel_shapes, warmup_prompt_lengths
         from service.modelkit import LORA_MODULES, write_lora_adapter
 
         llm = self._require_llm()
         started = time.perf_counter()
-        white = np.full((LORA_WARMUP_PAGE_SIDE, LORA_WARMUP_PAGE_SIDE, 3), 255, dtype=np.uint8)
-        lengths: list[int] = []
-        covered: set[int] = set()  # residues mod 16 already run
         try:
+            # the longest prefill one step can hold, with room for the two tokens generated
+            longest = min(llm.vllm_config.scheduler_config.max_num_batched_tokens, self.settings.max_model_len - 2)
+            largest_graph = llm.vllm_config.compilation_config.max_cudagraph_capture_size  # None without graphs
+            shapes = kernel_shapes(self.model_dir, self.settings.max_lora_rank)
+            ranges = await asyncio.to_thread(config_ranges, shapes, self.settings.max_loras, longest, largest_graph)
+            lengths = warmup_prompt_lengths(ranges)
+            filler = self._tokenizer.encode(".", add_special_tokens=False)[0]
             with tempfile.TemporaryDirectory(prefix="ocr-lora-warmup-") as tmp:
                 path = write_lora_adapter(Path(tmp) / "warmup", self.model_dir, seed=0, std=0.0,
                                           rank=self.settings.max_lora_rank, modules=LORA_MODULES)
                 lora = LoRARequest("ocr-lora-warmup", WARMUP_LORA_ID, str(path))
                 try:
-                    for filler in range(4 * LORA_WARMUP_RESIDUES):  # " ." is about a token: more than enough
-                        if len(covered) == LORA_WARMUP_RESIDUES:
-                            break
-                        prompt = self.render_prompt("Read the text." + " ." * filler)
-                        (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, white)])
-                        length = len(engine_input.get("prompt_token_ids") or ())
-                        if length % LORA_WARMUP_RESIDUES in covered:
-                            continue
+                    for length in lengths:  # one at a time: two prompts in one step would add up
+                        (engine_input,) = await llm.renderer.render_cmpl_async([{"prompt_token_ids":
+                                                                                 [filler] * length}])
                         params = SamplingParams(temperature=0.0, max_tokens=2, min_tokens=2)
                         async for _ in llm.generate(engine_input, params, f"lora-warmup-{length}-"
                                                     f"{uuid.uuid4().hex[:8]}", lora_request=lora):
                             pass
-                        lengths.append(length)
-                        covered.add(length % LORA_WARMUP_RESIDUES)
                 finally:
                     await llm.remove_lora(WARMUP_LORA_ID)
         except Exception as exc:  # noqa: BLE001 - an optimisation; the engine serves without it
@@ -263,7 +260,8 @@ class VLLMEngine:
             return
         self.lora_warmup_prompt_lengths = lengths
         self.lora_warmup_ms = (time.perf_counter() - started) * 1000
-        log.info("LoRA kernels warmed up in %.0f ms (%d prompt lengths)", self.lora_warmup_ms, len(lengths))
+        log.info("LoRA kernels warmed up in %.0f ms (%d prompt lengths over %d config ranges up to %d tokens)",
+                 self.lora_warmup_ms, len(lengths), len(ranges), longest)
 
     def _render_inputs(self, prompt: str, image: Any) -> dict[str, Any]:
         """What vLLM's renderer gets for one page. The processor backend goes with each request: vLLM 0.26's

@@ -1,0 +1,107 @@
+"""The Triton LoRA kernels vLLM launches for this model, and which prompt lengths compile all of their variants.
+
+vLLM runs each LoRA layer as two Triton kernels, shrink (x·A) and expand (·B), and picks each kernel's block config
+by the step's token count: from its built-in default (two configs for shrink, split at 128 tokens) or from tuned
+files (`VLLM_TUNED_CONFIG_FOLDER`, the nearest tuned token count). Triton compiles one variant per config and per
+class of the integer arguments (the token count's divisibility), on first use. Steps up to the largest CUDA-graph
+size run in graphs captured at start-up; longer ones run eagerly, so a config first picked there compiles while
+users wait: on the H200, tuned files made 7 kernels compile during measured runs, 1.3-1.7 s each request behind
+them (docs/BENCHMARKS.md, twenty-sixth session). The engine's warm-up therefore runs one prompt length per token
+count residue in every range of token counts over which vLLM's choice stays the same (`warmup_prompt_lengths`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# vLLM's MergedQKV and MergedColumn LoRA layers (its HunYuan model's packed_modules_mapping), then o and down
+PACKED_LAYERS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)),
+                 ("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
+# Triton specialises integer arguments on divisibility by 16, and the kernels' addresses on alignment: every token
+# count mod 16 covers the classes (the twenty-third session saw one length compile kernels that a length of
+# another residue had not)
+TOKEN_RESIDUES = 16
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """One LoRA kernel as vLLM launches it: `k` and `n` are the config keys (shrink: input size and rank; expand:
+    rank and the widest output slice); `calls_per_step` counts its launches in one engine step."""
+
+    op: str
+    num_slices: int
+    k: int
+    n: int
+    output_slices: tuple[int, ...]
+    layers: tuple[str, ...]
+    calls_per_step: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.op} {'+'.join(self.layers)} ({self.num_slices} slice{'s' * (self.num_slices > 1)}, " \
+               f"K {self.k}, N {self.n})"
+
+
+def kernel_shapes(model_dir: Path, rank: int) -> list[KernelShape]:
+    """The distinct shrink and expand kernels of the model's LoRA layers, with how often each runs per step."""
+    from service.modelkit import text_linear_shapes
+
+    linear, num_layers = text_linear_shapes(model_dir)
+    by_name = {name.split(".")[1]: shape for name, shape in linear.items()}
+    shapes: dict[tuple, KernelShape] = {}
+    for packed, parts in PACKED_LAYERS:
+        input_size = by_name[parts[0]][0]
+        outputs = tuple(by_name[part][1] for part in parts)
+        for op, k, n in (("shrink", input_size, rank), ("expand", rank, max(outputs))):
+            key = (op, len(parts), k, n)
+            known = shapes.get(key)
+            shapes[key] = KernelShape(op=op, num_slices=len(parts), k=k, n=n, output_slices=outputs,
+                                      layers=(known.layers if known else ()) + (packed,),
+                                      calls_per_step=(known.calls_per_step if known else 0) + num_layers)
+    return list(shapes.values())
+
+
+def config_key(config: dict) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+def vllm_config(shape: KernelShape, max_loras: int, tokens: int, *, tuned: bool = True) -> dict:
+    """The config vLLM's kernel launch picks for `tokens` tokens (its own lookup, with the arguments its launchers
+    pass: slots + 1 for the no-adapter row). `tuned=False`: its default, as if no tuned folder were set."""
+    from vllm.lora.ops.triton_ops import utils
+
+    saved = None if tuned else os.environ.pop("VLLM_TUNED_CONFIG_FOLDER", None)
+    try:
+        lookup = utils.get_lora_op_configs if tuned else utils.get_lora_op_configs.__wrapped__
+        return dict(lookup(shape.op, max_loras=max_loras + 1, batch=tokens,
+                           hidden_size=shape.k if shape.op == "shrink" else shape.n,
+                           rank=shape.n if shape.op == "shrink" else shape.k, num_slices=shape.num_slices,
+                           add_inputs=True if shape.op == "expand" else None))
+    finally:
+        if saved is not None:
+            os.environ["VLLM_TUNED_CONFIG_FOLDER"] = saved
+
+
+def config_ranges(shapes: list[KernelShape], max_loras: int, longest: int,
+                  largest_graph: int | None = None) -> list[tuple[int, int]]:
+    """Token counts 1..longest split into the ranges over which vLLM picks the same config for every kernel, and
+    also after `largest_graph` (the largest CUDA-graph size): a step up to it is padded to a captured size, which
+    start-up compiled, so a warm-up prompt below it covers no residue of the eager steps above it."""
+    ranges: list[tuple[int, int]] = []
+    previous = None
+    for tokens in range(1, longest + 1):
+        choice = tuple(config_key(vllm_config(shape, max_loras, tokens)) for shape in shapes)
+        if choice != previous or tokens - 1 == largest_graph:
+            ranges.append((tokens, tokens))
+            previous = choice
+        else:
+            ranges[-1] = (ranges[-1][0], tokens)
+    return ranges
+
+
+def warmup_prompt_lengths(ranges: list[tuple[int, int]], residues: int = TOKEN_RESIDUES) -> list[int]:
+    """Per range, its first `residues` token counts (all of a shorter range): every residue mod 16 of every config.
+    A prompt of n tokens alone makes a prefill step of n tokens."""
+    return [n for first, last in ranges for n in range(first, min(last, first + residues - 1) + 1)]
