@@ -119,8 +119,8 @@ def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
 
 def test_lora_warmup_script_runs_on_a_real_vllm_cpu_engine(tmp_path):
     """`loadtest/lora_warmup.py --tiny`: the engine warms its LoRA kernels at start (every length mod 16 of both
-    default-config ranges), then answers A4 pages with each task's prompt through an adapter, with the output lengths fixed; and
-    `--no-warmup` really skips the warm-up (the baseline it is compared with on the GPU)."""
+    default-config ranges), then answers A4 pages with each task's prompt through an adapter, with the output
+    lengths fixed; and `--no-warmup` really skips the warm-up (the baseline it is compared with on the GPU)."""
     root = Path(__file__).resolve().parents[1]
     for extra, name in (([], "warm"), (["--no-warmup"], "cold")):
         out = tmp_path / f"{name}.json"
