@@ -89,11 +89,6 @@ def candidates(shape: KernelShape) -> list[dict]:
     return configs
 
 
-def default_config(shape: KernelShape, max_loras: int, tokens: int) -> dict:
-    """vLLM's own choice without tuned configs (its function, with the tuned folder unset)."""
-    return vllm_config(shape, max_loras, tokens, tuned=False)
-
-
 @dataclass
 class Timing:
     shape: KernelShape
@@ -337,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     tuning_started = time.perf_counter()
     results = tune(shapes, token_counts,
                    measure=lambda s, t, c: gpu_measure(s, t, c, max_loras=args.max_loras),
-                   default=lambda s, t: default_config(s, args.max_loras, t),
+                   default=lambda s, t: vllm_config(s, args.max_loras, t, tuned=False),
                    log=lambda line: print(line, flush=True))
     device = torch.cuda.get_device_name()
     for name, data in config_files(results, args.max_loras, device).items():

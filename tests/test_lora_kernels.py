@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 
 from loadtest import lora_kernels
-from loadtest.lora_kernels import (KernelShape, candidates, config_files, config_key, default_config, kernel_shapes,
+from loadtest.lora_kernels import (KernelShape, candidates, config_files, config_key, kernel_shapes,
                                    step_totals, tune)
+from service.engine.lora_kernels import vllm_config
 from service.modelkit import write_kit
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def vllm_default(shape: KernelShape, tokens: int) -> dict:
+    """vLLM's own config without tuned files, for 4 slots (the service's default)."""
+    return vllm_config(shape, 4, tokens, tuned=False)
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +61,9 @@ def test_candidates_never_split_k_beyond_the_input_and_include_real_choices(full
 def test_default_config_is_vllms_own_choice_per_token_count(full_kit):
     shrink = next(s for s in kernel_shapes(full_kit, rank=16) if s.op == "shrink")
     expand = next(s for s in kernel_shapes(full_kit, rank=16) if s.op == "expand" and s.num_slices == 1)
-    assert default_config(shrink, 4, 32)["split_k"] == 64 and default_config(shrink, 4, 32)["block_k"] == 256
-    assert default_config(shrink, 4, 1024)["split_k"] == 8 and default_config(shrink, 4, 1024)["block_k"] == 32
-    assert default_config(expand, 4, 32)["block_n"] == 128
+    assert vllm_default(shrink, 32)["split_k"] == 64 and vllm_default(shrink, 32)["block_k"] == 256
+    assert vllm_default(shrink, 1024)["split_k"] == 8 and vllm_default(shrink, 1024)["block_k"] == 32
+    assert vllm_default(expand, 32)["block_n"] == 128
 
 
 def fake_measure(calls: list):
@@ -74,7 +80,7 @@ def fake_measure(calls: list):
 def test_tune_keeps_the_fastest_running_config_and_the_default_for_comparison(full_kit):
     shapes = kernel_shapes(full_kit, rank=16)[:2]
     calls: list = []
-    results = tune(shapes, (1, 32), measure=fake_measure(calls), default=lambda s, t: default_config(s, 4, t),
+    results = tune(shapes, (1, 32), measure=fake_measure(calls), default=vllm_default,
                    log=lambda line: None)
     assert [(r.shape.op, r.tokens) for r in results] == [("shrink", 1), ("shrink", 32), ("expand", 1),
                                                         ("expand", 32)]
@@ -93,7 +99,7 @@ def test_tune_keeps_the_fastest_running_config_and_the_default_for_comparison(fu
 def test_tune_refuses_a_default_config_that_does_not_run(full_kit):
     shape = kernel_shapes(full_kit, rank=16)[0]
     with pytest.raises(RuntimeError, match="default config does not run"):
-        tune([shape], (8,), measure=lambda s, t, c: None, default=lambda s, t: default_config(s, 4, t),
+        tune([shape], (8,), measure=lambda s, t, c: None, default=vllm_default,
              log=lambda line: None)
 
 
@@ -103,7 +109,7 @@ def test_vllms_lookup_reads_the_tuned_files_for_every_layer_and_step_size(full_k
 
     shapes = kernel_shapes(full_kit, rank=16)
     tokens = (1, 16, 32, 256, 8192)
-    results = tune(shapes, tokens, measure=fake_measure([]), default=lambda s, t: default_config(s, 4, t),
+    results = tune(shapes, tokens, measure=fake_measure([]), default=vllm_default,
                    log=lambda line: None)
     for name, data in config_files(results, 4, "NVIDIA H200").items():
         (tmp_path / name).write_text(json.dumps(data))
@@ -131,7 +137,7 @@ def test_vllms_lookup_reads_the_tuned_files_for_every_layer_and_step_size(full_k
 def test_step_totals_weigh_each_kernel_by_its_launches_per_step(full_kit):
     shapes = kernel_shapes(full_kit, rank=16)
     results = tune(shapes, (32,), measure=lambda s, t, c: 4.0 if config_key(c) == config_key(
-        default_config(s, 4, t)) else 3.0, default=lambda s, t: default_config(s, 4, t), log=lambda line: None)
+        vllm_default(s, t)) else 3.0, default=vllm_default, log=lambda line: None)
     assert step_totals(results) == [{"tokens": 32, "default_us": 4.0 * 192, "tuned_us": 3.0 * 192,
                                      "speedup": round(4 / 3, 3)}]
 
