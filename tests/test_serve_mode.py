@@ -1,11 +1,14 @@
 """`ocr-serve serve` runs Ray Serve in its throughput-optimized mode unless its environment says otherwise
 (service.serve.local.SERVE_MODE_ENV; docs/DEPLOY.md). The mode is seen from outside: in it, each ingress replica
 also listens for HTTP itself on a port of 30000-31000 (Serve's direct ingress) and answers the API there. In every
-mode a page over gRPC's default message size (4 MiB) reaches the engine replica."""
+mode a page over gRPC's default message size (4 MiB) reaches the engine replica, and our own loggers write to the
+replicas' log files."""
 
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -42,6 +45,12 @@ def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwis
         assert len(page) > 6 * 1024 * 1024
         resp = httpx.post(url + "/v1/ocr", files={"file": ("noise.png", page, "image/png")}, timeout=120)
         assert resp.status_code == 200, resp.text
+        # our loggers write to the replicas' log files, with their level, in every mode (a warning used to arrive
+        # only through Serve's capture of stderr, as INFO; INFO records not at all): the CLI says where they are
+        logs_dir = re.search(r"replica logs in (\S+)", (tmp_path / "serve.log").read_text())
+        assert logs_dir, proc.tail()
+        ingress_log = "".join(f.read_text() for f in Path(logs_dir.group(1)).glob("replica_ocr_OCRIngress_*.log"))
+        assert re.search(r"^WARNING .* -- NO API KEY FILE CONFIGURED", ingress_log, re.M), ingress_log[-2000:]
     finally:
         proc.stop(timeout_s=60)
 

@@ -23,6 +23,7 @@ from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, Engi
 from service.errors import OCRError
 from service.metrics import EngineMetrics, IngressMetrics
 from service.serve.autoscaling import POLICY_IMPORT_PATH, LatencyWindow
+from service.serve.replica_logs import route_to_replica_log
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class EngineDeployment:
 
     async def __init__(self, settings: dict[str, Any]):
         self.settings = Settings.model_validate(settings)
-        logging.getLogger("service").setLevel(self.settings.log_level)
+        route_to_replica_log(self.settings.log_level)
         self.engine = make_engine(self.settings)
         # request latencies for the autoscaler's latency rule (service/serve/autoscaling.py)
         self.latency = LatencyWindow(window_s=self.settings.autoscaling_look_back_s)
@@ -269,7 +270,7 @@ class IngressDeployment(HttpReplica):
 
     def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]):
         self.settings = Settings.model_validate(settings)
-        logging.getLogger("service").setLevel(self.settings.log_level)
+        route_to_replica_log(self.settings.log_level)
         self.ctx = build_context(self.settings, ServeEngineClient(engine))
 
 

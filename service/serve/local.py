@@ -92,6 +92,16 @@ def metrics_url() -> str | None:
     return f"http://127.0.0.1:{ports[0]}/metrics" if ports else None
 
 
+def replica_logs_dir() -> str | None:
+    """Where this node's Serve replicas write their logs (ours among them: service/serve/replica_logs.py): the
+    `logs/serve` folder of the Ray session. Ray has no public call for it; None if its internals moved."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    logs = getattr(node, "get_logs_dir_path", None)
+    return os.path.join(logs(), "serve") if callable(logs) else None
+
+
 def run_app(settings: Settings, *, wait_ready_s: float = 600.0) -> str:
     """Deploy the app and wait until `/readyz` answers 200; returns the base URL."""
     from ray import serve
