@@ -53,9 +53,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     url = local.run_app(settings)
+    # before the ready line, which is what scripts wait for
+    print(f"ocr-serve: replica logs in {local.replica_logs_dir()}", flush=True)
     print(f"ocr-serve: {settings.engine} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "
           f"(POST {url}/v1/ocr, docs {url}/docs, metrics {local.metrics_url()})", flush=True)
-    print(f"ocr-serve: replica logs in {local.replica_logs_dir()}", flush=True)
     stop.wait()
     # graceful drain: readiness fails and new work gets 503 at once; in-flight requests get up to the timeout
     print(f"ocr-serve: draining (in-flight requests get up to {settings.graceful_shutdown_timeout_s:.0f}s)",
