@@ -53,6 +53,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     url = local.run_app(settings)
+    if settings.api_keys_file is None:
+        from service.admission.auth import announce_open_service
+
+        announce_open_service()
     # before the ready line, which is what scripts wait for
     print(f"ocr-serve: replica logs in {local.replica_logs_dir()}", flush=True)
     print(f"ocr-serve: {settings.engine} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "

@@ -51,6 +51,8 @@ def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwis
         assert logs_dir, proc.tail()
         ingress_log = "".join(f.read_text() for f in Path(logs_dir.group(1)).glob("replica_ocr_OCRIngress_*.log"))
         assert re.search(r"^WARNING .* -- NO API KEY FILE CONFIGURED", ingress_log, re.M), ingress_log[-2000:]
+        # and the CLI says it on its own output, which a replica's log does not reach in the throughput mode
+        assert "WARNING service.admission.auth: NO API KEY FILE CONFIGURED" in (tmp_path / "serve.log").read_text()
     finally:
         proc.stop(timeout_s=60)
 

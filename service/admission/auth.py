@@ -214,8 +214,14 @@ def make_authenticator(settings):
         return KeyFileAuthenticator(settings.api_keys_file, reload_interval_s=settings.api_keys_reload_interval_s)
     from service.api.context import OpenAuthenticator
 
+    announce_open_service()
+    return OpenAuthenticator()
+
+
+def announce_open_service() -> None:
+    """Said by every ingress replica (into its log) and by `ocr-serve serve` (on its terminal, where a replica's
+    log does not reach in Serve's throughput-optimized mode)."""
     log.warning("=" * 78)
     log.warning("NO API KEY FILE CONFIGURED (OCR_API_KEYS_FILE): the service is OPEN. Every caller is the admin "
                 "tenant 'anonymous'. Development only: never expose this instance.")
     log.warning("=" * 78)
-    return OpenAuthenticator()
