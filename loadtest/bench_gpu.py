@@ -12,7 +12,9 @@ min_tokens (raw@lean), `--no-confidence` each raw server and service once more w
 servers LoRA slots with one seeded random adapter and sweeps each once more with every request naming it
 (PART@adapter): service@adapter ÷ service is what the adapter costs. The raw server stays without LoRA; what the
 slots cost requests without an adapter comes from our service without them, `--variant
-nolora:env:OCR_ENABLE_LORA=false --parts service,service@nolora`.
+nolora:env:OCR_ENABLE_LORA=false --parts service,service@nolora`. `--variant mps:mps --parts service,service@mps`
+runs the second service inside a CUDA MPS control daemon (loadtest/mps.py), so several engines' kernels share the GPU
+at once; the report says how many MPS clients the daemon saw.
 
 Part `pair` (not in the default set) measures one client's latency of several servers side by side in time: the
 servers of `--pair-servers` (default raw,service,direct) run at once on the GPU, each with the same fixed KV cache,
@@ -75,7 +77,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Callable
 
-from loadtest import run, trace_steps
+from loadtest import mps, run, trace_steps
 from loadtest.common import (environment_facts, port_holder, service_prompt, start_direct, start_service,
                              start_vllm_server)
 from loadtest.resources import (GpuUtilisation, busiest_pids, cpu_percent, cpu_snapshot, find_py_spy, record_stacks,
@@ -457,6 +459,7 @@ class Bench:
         self.steps: list[dict[str, Any]] = []
         self.documents: dict[str, list[GeneratedDocument]] = {}
         self.gpu_util = GpuUtilisation()
+        self.mps: mps.MpsDaemon | None = None  # the MPS daemon of the part now running, if its label asks for one
 
     # results are rewritten after every step: a run cut short still leaves its numbers
     def save(self) -> None:
@@ -532,6 +535,36 @@ class Bench:
         if self.args.budget_s is not None and estimate > self.args.budget_s:
             self.log("the estimate exceeds the budget: the last steps may be skipped; for every step, split the run "
                      "(--parts matmul,raw,hf, then --parts service --merge FIRST/results.json)")
+
+    def run_part(self, part: str, parts: list[str]) -> None:
+        """One part; a part with an MPS label (`--variant LABEL:mps`) inside its own MPS control daemon."""
+        if split_label(part)[1] in self.args.variant_mps:
+            daemon = mps.MpsDaemon()
+            try:
+                with daemon:
+                    self.mps = daemon
+                    self.log(f"{part}: MPS control daemon up ({daemon.root})")
+                    self._run_part(part, parts)
+            finally:
+                self.mps = None
+                self.results["parts"].setdefault(part, {})["mps"] = daemon.summary()
+                self.log(f"{part}: MPS daemon stopped; {daemon.summary()}")
+            return
+        self._run_part(part, parts)
+
+    def _run_part(self, part: str, parts: list[str]) -> None:
+        if part == "matmul":
+            self.part_matmul()
+        elif base_part(part) in ("raw", "raw_stock", "raw_cached"):
+            self.part_raw(part, parts)
+        elif base_part(part) in ("service", "direct"):
+            self.part_service(part, parts)
+        elif part == "pair":
+            self.part_pair()
+        elif part == "trace":
+            self.part_trace()
+        elif part == "hf":
+            self.part_hf()
 
     def part_matmul(self) -> None:
         result = measure_matmul(self.args.tiny)
@@ -800,7 +833,10 @@ class Bench:
     def label_env(self, name: str) -> dict[str, str]:
         """Environment variables of a part's @LABEL (`--variant LABEL:env:NAME=VALUE`) for its server processes."""
         _, label = split_label(server_of(name))
-        return dict(self.args.variant_env.get(label, {})) if label else {}
+        env = dict(self.args.variant_env.get(label, {})) if label else {}
+        if label in self.args.variant_mps and self.mps is not None:  # how its processes find the MPS daemon
+            env.update(self.mps.env)
+        return env
 
     def label_engine_args(self, name: str) -> dict[str, Any]:
         """The engine arguments of a part's @LABEL (`--variant LABEL:NAME=VALUE`); none for an unlabelled part."""
@@ -1271,6 +1307,13 @@ class Bench:
             lines += [f"LoRA (`--lora`): our servers ran with LoRA slots ({r['lora']['settings']}) holding the seeded "
                       f"random adapter {r['lora']['adapter']!r} of rank {r['lora']['rank']}; PART@adapter named it on "
                       "every request, the plain sweeps named none; raw vLLM ran without LoRA.", ""]
+        for name, part in r["parts"].items():
+            if "mps" in part:  # whether the engines really became MPS clients, not just that the daemon ran
+                m = part["mps"]
+                lines += [(f"{name} ran under CUDA MPS: server {', '.join(m['servers'])}, at most {m['max_clients']} "
+                           f"client processes in {m['samples']} samples." if m["max_clients"] else
+                           f"**{name} had no MPS client** in {m['samples']} samples: its engines ran without MPS.")
+                          + (f" Daemon errors: {m['errors']}" if m.get("errors") else ""), ""]
         if r.get("merged"):
             m = r["merged"]
             lines += [f"Parts {m['parts']} merged from the run of {m['date']} (`{m['command']}`).", ""]
@@ -1572,8 +1615,9 @@ def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a - b, 1)
 
 
-def preflight(parts: list[str], pair_servers: list[str] = ()) -> dict[str, str]:
-    """Parts whose Python dependencies are missing (name → reason); the run skips them and says so."""
+def preflight(parts: list[str], pair_servers: list[str] = (), mps_labels: set[str] = frozenset()) -> dict[str, str]:
+    """Parts whose Python dependencies (or, for an MPS label, the MPS control binary) are missing (name → reason);
+    the run skips them and says so."""
     server = ["vllm", "aiohttp"]
     needs = {"matmul": ["torch"], "raw": server, "raw_stock": server, "raw_cached": server,
              "service": [*server, "ray", "fastapi", "pydantic_settings"],
@@ -1586,6 +1630,8 @@ def preflight(parts: list[str], pair_servers: list[str] = ()) -> dict[str, str]:
         lacking = [m for m in sorted(wanted) if importlib.util.find_spec(m) is None]
         if lacking:
             missing[part] = "missing Python modules: " + ", ".join(lacking)
+        elif split_label(part)[1] in mps_labels and mps.find_control() is None:
+            missing[part] = f"no {mps.CONTROL} on PATH for its MPS label"
     return missing
 
 
@@ -1657,7 +1703,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant", action="append", default=[], type=_variant_arg, metavar="LABEL:NAME=JSON",
                    help="an engine argument of the servers named PART@LABEL in --parts only, e.g. --variant "
                    "fp8:kv_cache_dtype=fp8 --parts raw,raw@fp8 (same server twice, side by side), or with "
-                   "LABEL:env:NAME=VALUE an environment variable of their processes; repeatable")
+                   "LABEL:env:NAME=VALUE an environment variable of their processes, or with LABEL:mps a CUDA MPS "
+                   "control daemon around the part (--variant mps:mps --parts service,service@mps; loadtest/mps.py); "
+                   "repeatable")
     p.add_argument("--pair-servers", default="raw,service,direct", help="part pair: these server parts (labels "
                    "allowed: raw,service,service@idec) run at once on the GPU, one client sends each round's document "
                    "to each in turn; the first is the reference of the differences")
@@ -1698,11 +1746,14 @@ CLIENT_LABELS = ("lean", "noconf", "adapter")
 
 
 def _variant_arg(text: str) -> tuple[str, str, str, Any]:
-    """LABEL:NAME=VALUE (an engine argument) or LABEL:env:NAME=VALUE (an environment variable) →
-    (label, "engine" | "env", name, value)."""
+    """LABEL:NAME=VALUE (an engine argument), LABEL:env:NAME=VALUE (an environment variable) or LABEL:mps (the
+    CUDA MPS daemon around the part, loadtest/mps.py) → (label, "engine" | "env" | "mps", name, value)."""
     label, sep, rest = text.partition(":")
+    if sep and rest == "mps" and re.fullmatch(r"[a-z0-9_]+", label) and label not in CLIENT_LABELS:
+        return label, "mps", "", True
     if not sep or not re.fullmatch(r"[a-z0-9_]+", label) or "=" not in rest:
-        raise argparse.ArgumentTypeError(f"expected LABEL:NAME=VALUE with a label of a-z, 0-9 and _, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected LABEL:NAME=VALUE, LABEL:env:NAME=VALUE or LABEL:mps with a label "
+                                         f"of a-z, 0-9 and _, got {text!r}")
     if label in CLIENT_LABELS:
         raise argparse.ArgumentTypeError(f"label {label!r} is the bench's own (--raw-lean, --no-confidence, --lora)")
     if rest.startswith("env:"):
@@ -1730,9 +1781,12 @@ def apply_defaults(args: argparse.Namespace) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    args.variants, args.variant_env = {}, {}
+    args.variants, args.variant_env, args.variant_mps = {}, {}, set()
     for label, kind, name, value in args.variant:
-        (args.variant_env if kind == "env" else args.variants).setdefault(label, {})[name] = value
+        if kind == "mps":
+            args.variant_mps.add(label)
+        else:
+            (args.variant_env if kind == "env" else args.variants).setdefault(label, {})[name] = value
     if args.lora_rank < 1:
         raise ValueError(f"--lora-rank: a positive rank, got {args.lora_rank}")
     args.pair_servers = [v.strip() for v in args.pair_servers.split(",") if v.strip()]
@@ -1774,9 +1828,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
     labels = {split_label(p)[1] for p in [*parts, *(args.pair_servers if "pair" in parts else [])]} - {None}
-    defined = set(args.variants) | set(args.variant_env)
+    defined = set(args.variants) | set(args.variant_env) | args.variant_mps
     if labels - defined:
         parser.error(f"parts name labels {sorted(labels - defined)} that no --variant defines")
+    if "pair" in parts and {split_label(p)[1] for p in args.pair_servers} & args.variant_mps:
+        parser.error("--pair-servers: the pair's servers run at once, so an MPS label (LABEL:mps) cannot be one's own")
     if any(split_label(p)[1] and split_label(p)[0] not in SERVER_PARTS for p in parts):
         parser.error("only server parts take a label (raw@LABEL, service@LABEL, …)")
     parts = expand_parts(parts, _counts(parser, args.raw_api_servers), _counts(parser, args.service_engines))
@@ -1791,7 +1847,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {parts}; steps {args.step_s:g}-{args.max_step_s:g}s; estimated {estimate:.0f}s of {budget}: "
               f"{verdict}", flush=True)
         return 0 if fits else 2
-    missing = preflight(parts, args.pair_servers)
+    missing = preflight(parts, args.pair_servers, args.variant_mps)
     for part, reason in missing.items():
         bench.results["skipped"].append(f"{part}: {reason}")
         bench.log(f"skipping {part}: {reason}")
@@ -1803,18 +1859,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.save()
     for part in parts:
         try:
-            if part == "matmul":
-                bench.part_matmul()
-            elif base_part(part) in ("raw", "raw_stock", "raw_cached"):
-                bench.part_raw(part, parts)
-            elif base_part(part) in ("service", "direct"):
-                bench.part_service(part, parts)
-            elif part == "pair":
-                bench.part_pair()
-            elif part == "trace":
-                bench.part_trace()
-            elif part == "hf":
-                bench.part_hf()
+            bench.run_part(part, parts)
         except Exception as exc:  # one part failing must not cost the others their numbers
             bench.results.setdefault("errors", {})[part] = traceback.format_exc()
             bench.log(f"{part} FAILED: {type(exc).__name__}: {exc}"[:2000])

@@ -694,7 +694,7 @@ def test_a_run_over_its_budget_refuses_before_starting_anything(monkeypatch, tmp
     monkeypatch.setattr(bench_gpu.Bench, "part_raw", lambda self, *a: started.append("raw"))
     monkeypatch.setattr(bench_gpu.Bench, "part_service", lambda self, *a: started.append("service"))
     monkeypatch.setattr(bench_gpu.Bench, "finish", lambda self: started.append("finish"))
-    monkeypatch.setattr(bench_gpu, "preflight", lambda parts, pair_servers=(): {})
+    monkeypatch.setattr(bench_gpu, "preflight", lambda parts, pair_servers=(), mps_labels=frozenset(): {})
     three = ["--parts", "raw,direct,service", "--workloads", "id_card", "--id-levels", "1,128", "--step-s", "20",
              "--max-step-s", "25", "--out", str(tmp_path)]
     assert bench_gpu.main([*three, "--budget-s", "500"]) == 2
