@@ -3,6 +3,7 @@
     python -m loadtest run ...            headless load test against a running service (loadtest/run.py)
     python -m loadtest locust ...         Locust with loadtest/locustfile.py (UI on :8089, or --headless)
     python -m loadtest documents OUT ...  write sample test documents as PNG
+    python -m loadtest mps                does NVIDIA MPS work on this GPU machine (`bench gpu --variant LABEL:mps`)
     python -m loadtest bench cpu ...      CPU benchmarks: embedded engine vs rapidocr, ingress overhead, vLLM-CPU
     python -m loadtest bench gpu ...      H200 benchmark: raw vLLM vs our service vs HF generate (--tiny: CPU dry run)
     python -m loadtest bench limiter ...  rate-limiter decisions/s (loadtest/bench_limiter.py)
@@ -26,6 +27,7 @@ from pathlib import Path
 COMMANDS = {
     "run": "loadtest.run",
     "documents": "loadtest.documents",
+    "mps": "loadtest.mps",
 }
 BENCHMARKS = {
     "cpu": "loadtest.bench_cpu",

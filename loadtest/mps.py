@@ -127,13 +127,13 @@ PROBE = ("import time, torch; x = torch.ones(1 << 20, device='cuda'); time.sleep
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m loadtest.mps`: does MPS work on this machine? Starts a daemon, runs one CUDA process as its client
+    """`python -m loadtest mps`: does MPS work on this machine? Starts a daemon, runs one CUDA process as its client
     (or `--probe CMD`), and prints what the daemon saw; exit 0 only when the probe became an MPS client."""
     import argparse
     import json
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m loadtest.mps", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtest mps", description=main.__doc__)
     parser.add_argument("--probe", default=None, help="shell command that uses the GPU (default: a torch tensor)")
     args = parser.parse_args(argv)
     if find_control() is None:

@@ -167,11 +167,13 @@ def test_mps_parts_are_checked_before_anything_starts(monkeypatch, tmp_path, cap
 
 
 def test_the_check_command_says_whether_a_gpu_process_became_a_client(fake_mps, capsys):
-    """`python -m loadtest.mps`: ok only when the probe ran and the daemon counted it as a client."""
+    """`python -m loadtest mps`: ok only when the probe ran and the daemon counted it as a client."""
     assert mps.main(["--probe", 'echo 301 > "$CUDA_MPS_PIPE_DIRECTORY/clients"; sleep 1']) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] is True and result["max_clients"] == 1 and result["probe_exit"] == 0
-    assert mps.main(["--probe", "true"]) == 1  # ran, but never an MPS client
+    from loadtest.__main__ import main as loadtest_main
+
+    assert loadtest_main(["mps", "--probe", "true"]) == 1  # ran, but never an MPS client
     assert json.loads(capsys.readouterr().out)["max_clients"] == 0
     assert mps.main(["--probe", "exit 3"]) == 1
     assert json.loads(capsys.readouterr().out)["probe_exit"] == 3
