@@ -12,9 +12,9 @@ min_tokens (raw@lean), `--no-confidence` each raw server and service once more w
 servers LoRA slots with one seeded random adapter and sweeps each once more with every request naming it
 (PART@adapter): service@adapter ÷ service is what the adapter costs. The raw server stays without LoRA; what the
 slots cost requests without an adapter comes from our service without them, `--variant
-nolora:env:OCR_ENABLE_LORA=false --parts service,service@nolora`. `--variant mps:mps --parts service,service@mps`
-runs the second service inside a CUDA MPS control daemon (loadtest/mps.py), so several engines' kernels share the GPU
-at once; the report says how many MPS clients the daemon saw.
+nolora:env:OCR_ENABLE_LORA=false --parts service,service@nolora`. `--variant mps:mps --parts service,service@mps
+--service-engines 2` runs the second two-engine service inside a CUDA MPS control daemon (loadtest/mps.py), so the
+engines' kernels share the GPU at once; the report says how many MPS clients the daemon saw.
 
 Part `pair` (not in the default set) measures one client's latency of several servers side by side in time: the
 servers of `--pair-servers` (default raw,service,direct) run at once on the GPU, each with the same fixed KV cache,

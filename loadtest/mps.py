@@ -31,8 +31,8 @@ def find_control() -> str | None:
 class MpsDaemon:
     """One MPS control daemon for the lifetime of a `with` block; `env` is what its clients need."""
 
-    def __init__(self, root: Path | None = None, poll_s: float = 3.0, control: str | None = None):
-        self.control = control or find_control()
+    def __init__(self, root: Path | None = None, poll_s: float = 3.0):
+        self.control = find_control()
         if self.control is None:
             raise FileNotFoundError(f"no {CONTROL} on PATH")
         self.root = Path(tempfile.mkdtemp(prefix="ocr-bench-mps-", dir=root))
@@ -49,7 +49,7 @@ class MpsDaemon:
     def ask(self, command: str, timeout_s: float = 10.0) -> str:
         """One command to the daemon (`get_server_list`, `quit`, …) → its answer; raises when it does not answer."""
         done = subprocess.run([self.control], input=command + "\n", capture_output=True, text=True,
-                              timeout=timeout_s, env={**_base_env(), **self.env})
+                              timeout=timeout_s, env={**os.environ, **self.env})
         if done.returncode != 0:
             raise RuntimeError(f"{CONTROL} {command!r}: exit {done.returncode}: "
                                f"{(done.stderr or done.stdout).strip()[:300]}")
@@ -61,7 +61,7 @@ class MpsDaemon:
         # -d forks the daemon into its own session and returns at once; its output goes to a file, since a pipe
         # would stay open as long as the daemon held it
         with open(self.root / "log" / "start.txt", "w") as start_log:
-            subprocess.run([self.control, "-d"], check=True, timeout=30, env={**_base_env(), **self.env},
+            subprocess.run([self.control, "-d"], check=True, timeout=30, env={**os.environ, **self.env},
                            stdin=subprocess.DEVNULL, stdout=start_log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:  # it answers once its control pipe exists
@@ -70,6 +70,7 @@ class MpsDaemon:
                 break
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
                 if time.monotonic() > deadline:
+                    shutil.rmtree(self.root, ignore_errors=True)  # no __exit__ follows a failed __enter__
                     raise RuntimeError(f"the MPS control daemon did not answer within 10 s: {exc}") from None
                 time.sleep(0.2)
         self._thread = threading.Thread(target=self._watch, name="mps-watch", daemon=True)
@@ -118,10 +119,6 @@ class MpsDaemon:
                 **({"errors": self.errors} if self.errors else {})}
 
 
-def _base_env() -> dict[str, str]:
-    return dict(os.environ)
-
-
 PROBE = ("import time, torch; x = torch.ones(1 << 20, device='cuda'); time.sleep(3); "
          "print(f'cuda probe: sum {x.sum().item():.0f}')")
 
@@ -140,11 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "error": f"no {CONTROL} on PATH"}))
         return 1
     daemon = MpsDaemon(poll_s=0.5)
-    with daemon:
-        command = args.probe or f"{sys.executable} -c \"{PROBE}\""
-        probe = subprocess.run(command, shell=True, env={**_base_env(), **daemon.env}, capture_output=True,
-                               text=True, timeout=120)
-        daemon.sample()
+    try:
+        with daemon:
+            command = args.probe or f"{sys.executable} -c \"{PROBE}\""
+            probe = subprocess.run(command, shell=True, env={**os.environ, **daemon.env}, capture_output=True,
+                                   text=True, timeout=120)
+            daemon.sample()
+    except (RuntimeError, subprocess.SubprocessError) as exc:  # the daemon did not start, or the probe hung
+        print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500], **daemon.summary()}))
+        return 1
     result = {"ok": probe.returncode == 0 and daemon.max_clients >= 1, "probe_exit": probe.returncode,
               "probe_output": (probe.stdout + probe.stderr).strip()[-500:], **daemon.summary()}
     print(json.dumps(result))

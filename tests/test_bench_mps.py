@@ -22,6 +22,8 @@ FAKE_CONTROL = textwrap.dedent('''\
     state, clients = os.path.join(pipe, "control"), os.path.join(pipe, "clients")
     journal = os.environ["FAKE_MPS_JOURNAL"]
     if sys.argv[1:] == ["-d"]:
+        if os.environ.get("FAKE_MPS_NO_DAEMON"):  # a daemon that dies at once (no GPU, no permission)
+            sys.exit(0)
         if os.fork() == 0:  # the daemon: its own session, alive while its control file exists
             os.setsid()
             null = os.open(os.devnull, os.O_RDWR)
@@ -177,3 +179,10 @@ def test_the_check_command_says_whether_a_gpu_process_became_a_client(fake_mps, 
     assert json.loads(capsys.readouterr().out)["max_clients"] == 0
     assert mps.main(["--probe", "exit 3"]) == 1
     assert json.loads(capsys.readouterr().out)["probe_exit"] == 3
+
+
+def test_the_check_command_reports_a_daemon_that_never_answers(fake_mps, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_MPS_NO_DAEMON", "1")
+    assert mps.main(["--probe", "true"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["ok"] is False and "did not answer within 10 s" in result["error"]
