@@ -149,6 +149,13 @@ class Settings(BaseSettings):
         8, ge=1, le=64, description="Threads that run the HF image processor for the engine (vLLM "
         "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (processor time per page)."
     )
+    preprocess_processes: int = Field(
+        0, ge=0, le=64, description="Processes that render pages for the vLLM engine (tokenizer + HF image "
+        "processor, and the PNG decode), beside the engine replica's process; 0 = vLLM's renderer threads "
+        "(`preprocess_workers`) inside it. Those threads share the replica's one GIL with the token stream, and at "
+        "the ID-card bound on the H200 that process is busy on one core (docs/BENCHMARKS.md). Each process takes "
+        "≈ 0.5 GB of memory and up to one core outside the replica's Ray CPUs."
+    )
     engine_torch_threads: int = Field(
         1, ge=0, le=256, description="PyTorch CPU threads of each vLLM EngineCore process (its `OMP_NUM_THREADS`). "
         "The EngineCore's CPU tensor work (each step's image batch, input preparation) is small; with one thread per "

@@ -32,6 +32,7 @@ from service.admission.budget import image_tokens_for
 from service.admission.prompts import sanitize_user_text
 from service.engine.protocol import (EngineDelta, EngineInfo, EngineRequest, EngineResult, ImageProcessorInfo,
                                      TokenLogprob)
+from service.engine.render_pool import RenderError, RenderPool
 from service.errors import OCRError
 from service.metrics import vllm_stat_loggers
 from service.settings import Settings
@@ -111,6 +112,7 @@ class VLLMEngine:
         self.settings = settings
         self.model_dir = Path(settings.model)
         self._llm = None
+        self._render_pool: RenderPool | None = None  # settings.preprocess_processes > 0: pages render there
         self._tokenizer = None
         self._wrap_image_token = False
         self._image_processor = image_processor_info(self.model_dir, settings.image_processor_backend)
@@ -189,6 +191,13 @@ class VLLMEngine:
         self._llm = AsyncLLM.from_engine_args(self.engine_args(), usage_context=UsageContext.OPENAI_API_SERVER,
                                               stat_loggers=vllm_stat_loggers(self.settings))
         await self._warm_renderer()
+        if self.settings.preprocess_processes:
+            import numpy as np
+
+            white = np.full((64, 64, 3), 255, dtype=np.uint8)
+            self._render_pool = RenderPool(self._llm.vllm_config, self.settings.preprocess_processes,
+                                           warm_inputs=self._render_inputs(self.render_prompt(""), white))
+            await self._render_pool.start()
         if self.settings.enable_lora:
             await self._warm_lora_kernels()
         log.info("vLLM engine ready in %.1fs (model %s, image token %s)", time.perf_counter() - started,
@@ -263,14 +272,32 @@ class VLLMEngine:
         log.info("LoRA kernels warmed up in %.0f ms (%d prompt lengths over %d config ranges up to %d tokens)",
                  self.lora_warmup_ms, len(lengths), len(ranges), longest)
 
+    async def _render_page(self, llm: Any, prompt: str, request: EngineRequest) -> dict[str, Any]:
+        """vLLM's engine input for one page: token ids and processed patches, from the render processes where
+        there are some (settings.preprocess_processes), else from vLLM's renderer threads in this process."""
+        if self._render_pool is not None:
+            return await self._render_pool.render(prompt, request, self._processor_kwargs())
+        # pixels need no thread (one copy, well under a millisecond); a PNG decode would hold up this event loop
+        image = engine_image(request) if request.image_rgb is not None else await asyncio.to_thread(
+            engine_image, request)
+        # the renderer's thread pool runs the HF image processor: off this event loop and several pages at once
+        # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
+        (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, image)])
+        return engine_input
+
     def _render_inputs(self, prompt: str, image: Any) -> dict[str, Any]:
         """What vLLM's renderer gets for one page. The processor backend goes with each request: vLLM 0.26's
         HunyuanOCR processor info pins `pil` over an engine-wide mm_processor_kwargs, but a request's own kwargs
         win."""
-        return {"prompt": prompt, "multi_modal_data": {"image": image},
-                "mm_processor_kwargs": {"backend": self.settings.image_processor_backend}}
+        return {"prompt": prompt, "multi_modal_data": {"image": image}, "mm_processor_kwargs": self._processor_kwargs()}
+
+    def _processor_kwargs(self) -> dict[str, Any]:
+        return {"backend": self.settings.image_processor_backend}
 
     async def shutdown(self) -> None:
+        pool, self._render_pool = self._render_pool, None
+        if pool is not None:
+            pool.shutdown()
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
@@ -424,14 +451,9 @@ class VLLMEngine:
         lora = await self._lora_request(request.adapter) if request.adapter else None
         prompt = self.render_prompt(request.prompt)
         started = time.perf_counter()
-        # pixels need no thread (one copy, well under a millisecond); a PNG decode would hold up this event loop
-        image = engine_image(request) if request.image_rgb is not None else await asyncio.to_thread(
-            engine_image, request)
-        # the renderer's thread pool runs the HF image processor: off this event loop and several pages at once
-        # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
         try:
-            (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, image)])
-        except VLLMValidationError as exc:  # the text alone over the context, checked before the image counts
+            engine_input = await self._render_page(llm, prompt, request)
+        except (VLLMValidationError, RenderError) as exc:  # the text alone over the context, before the image counts
             if exc.parameter not in ("input_tokens", "input_text"):
                 raise
             raise OCRError("prompt_too_long", f"the prompt's text alone exceeds the model's context of "

