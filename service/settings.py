@@ -150,11 +150,12 @@ class Settings(BaseSettings):
         "`renderer_num_workers`): one thread caps a GPU at ≈ 1 / (processor time per page)."
     )
     preprocess_processes: int = Field(
-        0, ge=0, le=64, description="Processes that render pages for the vLLM engine (tokenizer + HF image "
-        "processor, and the PNG decode), beside the engine replica's process; 0 = vLLM's renderer threads "
-        "(`preprocess_workers`) inside it. Those threads share the replica's one GIL with the token stream, and at "
-        "the ID-card bound on the H200 that process is busy on one core (docs/BENCHMARKS.md). Each process takes "
-        "≈ 0.5 GB of memory and up to one core outside the replica's Ray CPUs."
+        0, ge=0, le=64, description="Processes that render pages for the vLLM engine (PNG decode, tokenizer, HF "
+        "image processor), beside the engine replica's process; 0 = vLLM's renderer threads (`preprocess_workers`) "
+        "inside it, under the GIL the token stream needs too. On the H200 (docs/BENCHMARKS.md, thirtieth session) 4 "
+        "per engine took the replicas' CPU from 118-267 % to 50-85 % and served 0.96-1.19x the ID cards/s with two "
+        "engines per GPU, but 0.76-0.99x with one engine and 0.92x for A4 pages (each process renders one page at a "
+        "time). Each process starts with the engine (23-61 s more) and uses CPU outside the replica's Ray CPUs."
     )
     engine_torch_threads: int = Field(
         1, ge=0, le=256, description="PyTorch CPU threads of each vLLM EngineCore process (its `OMP_NUM_THREADS`). "
