@@ -35,8 +35,6 @@ from service.errors import OCRError
 
 log = logging.getLogger(__name__)
 
-WARM_SIDE = 64  # the white page each worker renders before it takes pages: it builds the HF processor once
-
 # The worker process's renderer, built once by _init_worker. Module state only inside pool workers: a
 # ProcessPoolExecutor hands work to plain functions, so this is where a worker keeps what it built.
 _worker_renderer = None
@@ -59,8 +57,8 @@ def _reduce_tensor(tensor):
 
 
 def _dumps(obj: Any) -> bytes:
-    """Pickle with torch tensors as raw bytes (numpy), not torch's zip archive: 2.4 against 7 ms to load an ID card's
-    7.6 MB of patches on the CI machine."""
+    """Pickle with torch tensors as raw bytes (numpy), not torch's zip archive: 2.4-2.9 against 7 ms to load an ID
+    card's 7.6 MB of patches on a 2-CPU VM."""
     import torch
 
     buffer = io.BytesIO()
@@ -151,6 +149,7 @@ class RenderPool:
             except queue.Empty:
                 pass
         await asyncio.gather(*tasks)
+        ready.close()
         self.worker_pids = sorted(pids)
         log.info("%d render processes ready in %.1f s", len(pids), time.perf_counter() - started)
 
@@ -182,10 +181,11 @@ class RenderPool:
         async with self._restart_lock:
             if self._generation != broken_generation or self._pool is None:
                 return  # another request replaced it already, or the engine stopped
-            old = self._pool
+            broken = self._pool
             self._generation += 1
-            old.shutdown(wait=False, cancel_futures=True)
+            # the new pool takes pages at once (they wait for its workers); the broken one only refuses them
             await self.start()
+            broken.shutdown(wait=False, cancel_futures=True)
 
     def shutdown(self) -> None:
         pool, self._pool = self._pool, None
