@@ -3,8 +3,9 @@
 Request flow inside the engine: EngineRequest (the page as PNG or RGB pixels, already resized to the budget by the
 ingress; user text already sanitised) → numpy page (engine_image) → chat-template prompt with the image token →
 SamplingParams (greedy, sampled-token logprobs, optional min_tokens/ignore_eos/guided JSON) → vLLM's renderer
-(tokenizer + HF image processor, in its thread pool) → AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the
-text stream (aborts a looping generation) → EngineResult with the raw text, per-token logprobs and token counts.
+(tokenizer + HF image processor, in its thread pool, or in render processes: service.engine.render_pool) →
+AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the text stream (aborts a looping generation) → EngineResult
+with the raw text, per-token logprobs and token counts.
 
 Prompt form: HunyuanOCR's prompt carries the BARE image token `<｜hy_place▁holder▁no▁102｜>`; vLLM's native model
 (GPU builds, vLLM 0.26) adds the image start/end tokens itself, and a prompt that already wraps it gets two start
@@ -197,7 +198,11 @@ class VLLMEngine:
             white = np.full((64, 64, 3), 255, dtype=np.uint8)
             self._render_pool = RenderPool(self._llm.vllm_config, self.settings.preprocess_processes,
                                            warm_inputs=self._render_inputs(self.render_prompt(""), white))
-            await self._render_pool.start()
+            try:
+                await self._render_pool.start()
+            except BaseException:  # no half-started engine: its EngineCore and any started workers go too
+                await self.shutdown()
+                raise
         if self.settings.enable_lora:
             await self._warm_lora_kernels()
         log.info("vLLM engine ready in %.1fs (model %s, image token %s)", time.perf_counter() - started,
