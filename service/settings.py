@@ -154,8 +154,9 @@ class Settings(BaseSettings):
         "image processor), beside the engine replica's process; 0 = vLLM's renderer threads (`preprocess_workers`) "
         "inside it, under the GIL the token stream needs too. On the H200 (docs/BENCHMARKS.md, thirtieth session) 4 "
         "per engine took the replicas' CPU from 118-267 % to 50-85 % and served 0.96-1.19x the ID cards/s with two "
-        "engines per GPU, but 0.76-0.99x with one engine and 0.92x for A4 pages (each process renders one page at a "
-        "time). Each process starts with the engine (23-61 s more) and uses CPU outside the replica's Ray CPUs."
+        "engines per GPU, but 0.76-0.99x with one engine and 0.92-0.93x for A4 pages (each process renders one page "
+        "at a time). They start after the engine (the service was ready 23-61 s later) and use CPU outside the "
+        "replica's Ray CPUs."
     )
     engine_torch_threads: int = Field(
         1, ge=0, le=256, description="PyTorch CPU threads of each vLLM EngineCore process (its `OMP_NUM_THREADS`). "
