@@ -58,6 +58,9 @@ async def test_pages_render_in_worker_processes(tiny_model_dir):
         pool = engine._render_pool
         assert pool is not None and len(pool.worker_pids) == 2 and os.getpid() not in pool.worker_pids
         workers = list(pool.worker_pids)
+        for pid in workers:  # named for ps, top and the bench's CPU table
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                assert cmdline.read().split(b"\0")[0].decode().strip() == "OCR::RenderWorker"
         docs = [render_document(texts, size=(480, 270), font_size=28, top=40, gap=60, left=30) for texts in PAGES]
 
         def page(i: int, doc, **extra) -> EngineRequest:

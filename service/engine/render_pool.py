@@ -37,6 +37,8 @@ from service.errors import OCRError
 
 log = logging.getLogger(__name__)
 
+PROCESS_TITLE = "OCR::RenderWorker"
+
 # The worker process's renderer, built once by _init_worker. Module state only inside pool workers: a
 # ProcessPoolExecutor hands work to plain functions, so this is where a worker keeps what it built.
 _worker_renderer = None
@@ -78,6 +80,12 @@ def _init_worker(vllm_config: Any, warm_inputs: dict[str, Any], ready) -> None:
     import torch
     from vllm.renderers.registry import renderer_from_config
 
+    try:  # `ps`, `top` and the bench's CPU table name it (vLLM names its own processes the same way)
+        import setproctitle
+
+        setproctitle.setproctitle(PROCESS_TITLE)
+    except ImportError:
+        pass
     torch.set_num_threads(1)  # one page per worker at a time; more threads per worker only contend
     vllm_config.parallel_config._api_process_rank = os.getpid()
     vllm_config.model_config.renderer_num_workers = 1
