@@ -12,7 +12,9 @@ our engine did before 2026-11-30). The ingress's side of `presized` (the resize 
 
     python -m loadtest bench preprocess --out results/preprocess            # needs transformers (no vLLM, no GPU)
 
-Also checks that the two backends pack patches identically (max |Δ| on an image already at the processor's size,
+Also times what a render process (settings.preprocess_processes) adds per page: the patches pickled there and
+unpickled in the engine replica (`render_pool_transfer`, with the last backend given). Also checks that the two
+backends pack patches identically (max |Δ| on an image already at the processor's size,
 where no interpolation differs), so switching the backend cannot change what the model sees.
 Writes OUT/preprocess.json and prints a table.
 """
@@ -114,6 +116,32 @@ def packing_check(kit: Path, png: bytes) -> dict[str, Any]:
             "engine_image_vs_pil_max_abs_diff": engine_diff}
 
 
+def pool_transfer(kit: Path, backend: str, png: bytes, rounds: int = 5) -> dict[str, Any]:
+    """What a render process adds per page (settings.preprocess_processes): the processor's output pickled in the
+    worker the way the pool sends it (tensors as raw bytes, service.engine.render_pool) and unpickled in the engine
+    replica. Medians over `rounds`; also checks the tensors come back equal."""
+    import pickle
+    import statistics
+
+    import torch
+
+    from service.engine.render_pool import _dumps
+
+    batch = _processor(kit, backend)(images=[_decode(png)], return_tensors="pt")
+    tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
+    dumps, loads = [], []
+    for _ in range(rounds + 1):  # the first round warms up
+        started = time.perf_counter()
+        payload = _dumps(tensors)
+        pickled = time.perf_counter()
+        back = pickle.loads(payload)
+        dumps.append((pickled - started) * 1000)
+        loads.append((time.perf_counter() - pickled) * 1000)
+    return {"mb": round(len(payload) / 1e6, 2), "pickle_ms": round(statistics.median(dumps[1:]), 2),
+            "unpickle_ms": round(statistics.median(loads[1:]), 2),
+            "equal": all(torch.equal(back[key], value) for key, value in tensors.items())}
+
+
 def throughput(kit: Path, backend: str, pngs: list[bytes], threads: int, seconds: float,
                transport: str = "png") -> dict[str, Any]:
     from service.engine.vllm_engine import engine_image
@@ -166,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             _decode(png)
         entry: dict[str, Any] = {"png_decode_ms": round((time.perf_counter() - decode_started) * 1000 / len(pngs), 1),
                                  "packing": packing_check(kit, pngs[0]), "runs": [],
-                                 "ingress_presize_ms": {b: presize_ms(kit, b, pngs) for b in args.backends.split(",")}}
+                                 "ingress_presize_ms": {b: presize_ms(kit, b, pngs) for b in args.backends.split(",")},
+                                 "render_pool_transfer": pool_transfer(kit, args.backends.split(",")[-1], pngs[0])}
         for backend in args.backends.split(","):
             for threads in (int(t) for t in args.threads.split(",")):
                 for transport in args.inputs.split(","):  # side by side: the machine's load changes
@@ -176,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{run['images_per_s']:7.1f} images/s", flush=True)
         result["kinds"][kind] = entry
         print(kind, "packing", entry["packing"], "png decode ms", entry["png_decode_ms"], "ingress presize ms",
-              entry["ingress_presize_ms"], flush=True)
+              entry["ingress_presize_ms"], "render pool transfer", entry["render_pool_transfer"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "preprocess.json").write_text(json.dumps(result, indent=2))
     return 0

@@ -162,6 +162,19 @@ def test_both_image_processor_backends_pack_patches_identically(tmp_path):
                                                              for b in ("pil", "torchvision")}, check
 
 
+def test_render_pool_transfer_brings_the_patches_back_equal(tmp_path):
+    """`bench preprocess`'s render_pool_transfer: an ID card's patches through the pool's pickling, equal and sized
+    as the processor made them ((H/16)·(W/16) patches × 768 float32)."""
+    from loadtest.bench_preprocess import pool_transfer
+    from service.modelkit import write_kit
+
+    write_kit(tmp_path, tiny=False, weights=False)
+    transfer = pool_transfer(tmp_path, "torchvision", make_documents("id_card", 1)[0].png, rounds=2)
+    assert transfer["equal"] is True
+    assert 7.0 < transfer["mb"] < 8.0  # 992×640 → 2,480 patches × 768 × 4 bytes = 7.6 MB, plus the grid
+    assert transfer["pickle_ms"] > 0 and transfer["unpickle_ms"] > 0
+
+
 def test_parts_expand_into_variants_and_map_back():
     parts = bench_gpu.expand_parts(["matmul", "raw", "raw_stock", "service", "hf"], [1, 4], [1, 2])
     assert parts == ["matmul", "raw", "raw_api4", "raw_stock", "service", "service_x2", "hf"]
