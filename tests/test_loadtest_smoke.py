@@ -119,7 +119,7 @@ def test_locust_file_runs_headless(embedded_url, tmp_path):
     env = {**os.environ, "OCR_LOADTEST_WORKLOAD": "id_card", "OCR_LOADTEST_DOCS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--host", embedded_url,
-         "--headless", "-u", "1", "-r", "1", "-t", "8s", "--stop-timeout", "120", "--csv", str(tmp_path / "locust"),
+         "--headless", "-u", "1", "-r", "1", "-t", "20s", "--stop-timeout", "120", "--csv", str(tmp_path / "locust"),
          "--only-summary"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
