@@ -146,3 +146,34 @@ async def test_pages_render_in_worker_processes(tiny_model_dir):
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
     assert not [pid for pid in workers if alive(pid)], "render processes outlived the engine"
+
+
+async def test_an_engine_whose_render_processes_fail_to_start_stops_itself(tiny_model_dir, monkeypatch):
+    """A render process that cannot warm up (here: its warm-up page is not an image) fails the engine's start with
+    the reason, and the half-started engine does not stay behind: its vLLM engine is shut down, no pool is kept."""
+    from service.engine import vllm_engine
+    from service.engine.render_pool import RenderPool
+    from service.settings import Settings
+
+    class BrokenWarmUp(RenderPool):
+        def __init__(self, vllm_config, processes, warm_inputs):
+            super().__init__(vllm_config, processes, {**warm_inputs, "multi_modal_data": {"image": "not an image"}})
+
+    monkeypatch.setattr(vllm_engine, "RenderPool", BrokenWarmUp)
+    engine = vllm_engine.VLLMEngine(Settings(
+        engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024, max_num_seqs=2,
+        kv_cache_memory_gb=0.25, image_processor_backend="torchvision", preprocess_processes=1))
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    llm_shutdowns: list[bool] = []
+    real_shutdown = AsyncLLM.shutdown
+
+    def counted_shutdown(self, *args, **kwargs):
+        llm_shutdowns.append(True)
+        return real_shutdown(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncLLM, "shutdown", counted_shutdown)
+    with pytest.raises(RuntimeError, match="render process failed to start"):
+        await engine.start()
+    assert engine._llm is None and engine._render_pool is None
+    assert llm_shutdowns  # vLLM's own clean-up may call it again

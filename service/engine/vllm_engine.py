@@ -193,11 +193,8 @@ class VLLMEngine:
                                               stat_loggers=vllm_stat_loggers(self.settings))
         await self._warm_renderer()
         if self.settings.preprocess_processes:
-            import numpy as np
-
-            white = np.full((64, 64, 3), 255, dtype=np.uint8)
             self._render_pool = RenderPool(self._llm.vllm_config, self.settings.preprocess_processes,
-                                           warm_inputs=self._render_inputs(self.render_prompt(""), white))
+                                           warm_inputs=self._warm_page_inputs())
             try:
                 await self._render_pool.start()
             except BaseException:  # no half-started engine: its EngineCore and any started workers go too
@@ -214,11 +211,8 @@ class VLLMEngine:
         apiece): on the H200 the first burst of 8 pages waited 67-77 s in raw `vllm serve`, and a new replica would
         do the same to its first users. One render here builds it once; requests then hit the cache (same kwargs:
         _render_inputs)."""
-        import numpy as np
-
         started = time.perf_counter()
-        white = np.full((64, 64, 3), 255, dtype=np.uint8)  # the form pages come in (engine_image)
-        (rendered,) = await self._llm.renderer.render_cmpl_async([self._render_inputs(self.render_prompt(""), white)])
+        (rendered,) = await self._llm.renderer.render_cmpl_async([self._warm_page_inputs()])
         # an empty user text: what the rendered prompt holds besides the image is the chat template (info())
         processor = self._image_processor
         if processor is not None and rendered.get("prompt_token_ids"):
@@ -289,6 +283,13 @@ class VLLMEngine:
         # (AsyncLLM.generate on a text prompt would process the image inline, one page at a time)
         (engine_input,) = await llm.renderer.render_cmpl_async([self._render_inputs(prompt, image)])
         return engine_input
+
+    def _warm_page_inputs(self) -> dict[str, Any]:
+        """A small white page with an empty user text, in the form pages come in (engine_image): what each renderer,
+        in this process or in a render process, renders once before it takes traffic."""
+        import numpy as np
+
+        return self._render_inputs(self.render_prompt(""), np.full((64, 64, 3), 255, dtype=np.uint8))
 
     def _render_inputs(self, prompt: str, image: Any) -> dict[str, Any]:
         """What vLLM's renderer gets for one page. The processor backend goes with each request: vLLM 0.26's
