@@ -1824,16 +1824,18 @@ def main(argv: list[str] | None = None) -> int:
         # asked for stacks: no run without them (2026-12-02: a device call's profiles came back empty)
         parser.error("--py-spy: no py-spy binary on PATH or in the bin/ of a sys.path directory")
     parts = [p for p in args.parts.split(",") if p]
-    unknown = {p for p in parts if split_label(p)[0] not in ALL_PARTS}
+    # a part may also name its count itself (service_x2@colo beside service@hap: one engine against two in one run)
+    unknown = {p for p in parts if split_label(p)[0] not in ALL_PARTS and not re.fullmatch(
+        "|".join(f"{prefix}[1-9][0-9]*" for prefix in VARIANT_PREFIXES.values()), split_label(p)[0])}
     if unknown:
-        parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS}")
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {ALL_PARTS} (or raw_apiN, service_xN)")
     labels = {split_label(p)[1] for p in [*parts, *(args.pair_servers if "pair" in parts else [])]} - {None}
     defined = set(args.variants) | set(args.variant_env) | args.variant_mps
     if labels - defined:
         parser.error(f"parts name labels {sorted(labels - defined)} that no --variant defines")
     if "pair" in parts and {split_label(p)[1] for p in args.pair_servers} & args.variant_mps:
         parser.error("--pair-servers: the pair's servers run at once, so an MPS label (LABEL:mps) cannot be one's own")
-    if any(split_label(p)[1] and split_label(p)[0] not in SERVER_PARTS for p in parts):
+    if any(split_label(p)[1] and base_part(p) not in SERVER_PARTS for p in parts):
         parser.error("only server parts take a label (raw@LABEL, service@LABEL, …)")
     parts = expand_parts(parts, _counts(parser, args.raw_api_servers), _counts(parser, args.service_engines))
     bench = Bench(args)

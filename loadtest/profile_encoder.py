@@ -9,11 +9,20 @@ one varlen pass. `batched` is that pass, our plugin's replacement forward (`vllm
 images' patches through each layer at once, attention kept per image with cu_seqlens); `vllm` is vLLM's own
 forward (the plugin keeps it as `per_image_forward`). Achieved TFLOP/s uses the same FLOP count
 as the roofline (`bench_gpu.page_flops`). Writes OUT/encoder.json.
+
+`--attn-backends` also times the tower's attention with each backend vLLM can run it with
+(`mm_encoder_attn_backend`): FlashAttention 3 (vLLM's pick on an H200), vLLM's Triton kernel, and PyTorch's SDPA,
+alone and limited to each of its kernels (`TORCH_SDPA:CUDNN_ATTENTION`, …). Head size 72 is not one FlashAttention 3
+is built for, so its kernels run at 96; another kernel may waste less. Each backend is timed on one attention call
+(the sizes of one ID card, four ID cards in one call, one A4 page) and on the whole batched tower, and checked
+against FlashAttention's output. The switch is in place on the loaded model (the attribute vLLM reads per call), so
+all backends run on the same weights in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -22,9 +31,176 @@ from pathlib import Path
 from typing import Any
 
 GRIDS = {"id_card": (1, 40, 62), "a4": (1, 110, 78)}  # 1000×630 and 1240×1754 after smart_resize (patches of 16)
+# (document, images in one call): what one step's vision work holds for one card, a prefill step at 16 clients
+# (4.4 cards on average, nineteenth session) and one A4 page
+ATTENTION_CASES = (("id_card", 1), ("id_card", 4), ("a4", 1))
+# vLLM's encoder attention backends on CUDA; TORCH_SDPA:KERNEL limits PyTorch's SDPA to one of its kernels
+ATTENTION_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "TORCH_SDPA", "TORCH_SDPA:CUDNN_ATTENTION",
+                      "TORCH_SDPA:FLASH_ATTENTION", "TORCH_SDPA:EFFICIENT_ATTENTION")
 
 
-def measure(model, vit_tflop: dict[str, float], repeats: int) -> dict[str, Any]:
+def encoder_attention_modules(model) -> list:
+    """Every MMEncoderAttention of a model (the vision tower's, one per layer)."""
+    from vllm.model_executor.layers.attention import MMEncoderAttention
+
+    return [m for m in model.modules() if isinstance(m, MMEncoderAttention)]
+
+
+@contextlib.contextmanager
+def attention_backend(modules: list, name: str):
+    """Run `modules` (MMEncoderAttention) with backend `name` (ATTENTION_BACKENDS) inside the block, then restore
+    them. vLLM picks the backend once, in the module's __init__, and reads these attributes on every call."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend_name, _, sdpa_kernel = name.partition(":")
+    backend = AttentionBackendEnum[backend_name]
+    saved = [(m.attn_backend, m.is_flash_attn_backend, m._fa_version) for m in modules]
+    flash = backend == AttentionBackendEnum.FLASH_ATTN
+    fa_version = None
+    if flash:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+        fa_version = get_flash_attn_version(head_size=modules[0].head_size)
+    for m in modules:
+        m.attn_backend, m.is_flash_attn_backend, m._fa_version = backend, flash, fa_version
+    try:
+        if sdpa_kernel:
+            from torch.nn.attention import SDPBackend, sdpa_kernel as only
+
+            with only([getattr(SDPBackend, sdpa_kernel)]):
+                yield
+        else:
+            yield
+    finally:
+        for m, (b, f, v) in zip(modules, saved):
+            m.attn_backend, m.is_flash_attn_backend, m._fa_version = b, f, v
+
+
+def timed_ms(fn, repeats: int, device) -> float:
+    """Mean ms per call of `fn` after two unmeasured calls; CUDA events on a GPU, the wall clock elsewhere."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / repeats
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - started) * 1000 / repeats
+
+
+def measure_attention(module, cases: list[tuple[str, list[int]]], backends: list[str], repeats: int, device,
+                      dtype) -> list[dict[str, Any]]:
+    """One attention call of `module` (an MMEncoderAttention) per case (name, image lengths in patches) and
+    backend, as the batched tower calls it: q, k and v are views into one qkv projection, images kept apart by
+    cu_seqlens. The first backend is the reference of `max_abs_diff`; a backend that fails is recorded, not fatal.
+    `tflops` counts the attention's useful FLOPs (QKᵀ and PV: 4·n²·hidden per image, no padding)."""
+    import torch
+
+    hidden = module.num_heads * module.head_size
+    rows: list[dict[str, Any]] = []
+    for case, lengths in cases:
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        qkv = torch.randn(1, sum(lengths), 3 * hidden, generator=generator).to(device=device, dtype=dtype)
+        q, k, v = qkv.chunk(3, dim=-1)
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        max_seqlen = torch.tensor(max(lengths), dtype=torch.int32)
+        flop = sum(4 * n * n * hidden for n in lengths)
+        reference = None
+        for name in backends:
+            row: dict[str, Any] = {"case": case, "images": len(lengths), "backend": name}
+            try:
+                with torch.inference_mode(), attention_backend([module], name):
+                    call = lambda: module(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)  # noqa: E731
+                    out = call().float()
+                    ms = timed_ms(call, repeats, device)
+            except Exception as exc:  # a backend this machine cannot run: recorded, the others still measured
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            else:
+                row.update(ms=round(ms, 3), tflops=float(f"{flop / (ms / 1000) / 1e12:.4g}"))
+                if reference is None:
+                    reference = out
+                else:
+                    row["max_abs_diff"] = float((out - reference).abs().max())
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def measure_tower_backends(visual, backends: list[str], repeats: int) -> list[dict[str, Any]]:
+    """The whole batched tower (our plugin's forward) with each attention backend, per ATTENTION_CASES; the first
+    backend is the reference of `max_abs_diff` (of the merged embeddings)."""
+    import torch
+
+    from service.engine.vllm_plugin import batched_vision_forward
+
+    modules = encoder_attention_modules(visual)
+    rows: list[dict[str, Any]] = []
+    for kind, n in ATTENTION_CASES:
+        grids = [list(GRIDS[kind])] * n
+        x = torch.randn(n * GRIDS[kind][1] * GRIDS[kind][2], 768, device=visual.device, dtype=torch.float32)
+        reference = None
+        for name in backends:
+            row: dict[str, Any] = {"case": kind, "images": n, "backend": name}
+            try:
+                with torch.inference_mode(), attention_backend(modules, name):
+                    call = lambda: batched_vision_forward(visual, x, grids)  # noqa: E731
+                    out = [o.float() for o in call()]
+                    ms = timed_ms(call, repeats, visual.device)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            else:
+                row.update(ms=round(ms, 2), ms_per_image=round(ms / n, 2))
+                if reference is None:
+                    reference = out
+                else:
+                    row["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(out, reference))
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def attention_report(result: dict[str, Any]) -> str:
+    """Markdown tables of the attention backends: one call, and the whole tower (ms; ratio to the first)."""
+    lines: list[str] = []
+    for key, title, unit in (("attention_backends", "One attention call (one layer)", "ms"),
+                             ("tower_backends", "The whole batched tower", "ms")):
+        rows = result.get(key) or []
+        if not rows:
+            continue
+        cases = list(dict.fromkeys((r["case"], r["images"]) for r in rows))
+        backends = list(dict.fromkeys(r["backend"] for r in rows))
+        lines += [f"**{title}**, {unit} (× the first backend's time; max |Δ| against it)", "",
+                  "| backend | " + " | ".join(f"{c} ×{n}" for c, n in cases) + " |",
+                  "|---|" + "---:|" * len(cases)]
+        for b in backends:
+            cells = []
+            for c, n in cases:
+                row = next(r for r in rows if r["case"] == c and r["images"] == n and r["backend"] == b)
+                first = next(r for r in rows if r["case"] == c and r["images"] == n and r["backend"] == backends[0])
+                if "error" in row:
+                    cells.append("error")
+                    continue
+                ratio = f" ({row['ms'] / first['ms']:.2f}×)" if first.get("ms") and b != backends[0] else ""
+                extra = f", {row['tflops']} TFLOP/s" if "tflops" in row else ""
+                diff = f", Δ {row['max_abs_diff']:.2g}" if "max_abs_diff" in row else ""
+                cells.append(f"{row['ms']:g}{ratio}{extra}{diff}")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+        errors = [f"- {r['backend']} ({r['case']} ×{r['images']}): {r['error']}" for r in rows if "error" in r]
+        lines += ["", *errors, ""] if errors else [""]
+    return "\n".join(lines)
+
+
+def measure(model, vit_tflop: dict[str, float], repeats: int, attn_backends: list[str],
+            loop: bool = True) -> dict[str, Any]:
     import torch
 
     from service.engine.vllm_plugin import batched_vision_forward
@@ -34,6 +210,15 @@ def measure(model, vit_tflop: dict[str, float], repeats: int) -> dict[str, Any]:
     per_image = getattr(type(visual), "per_image_forward", type(visual).forward)
     out: dict[str, Any] = {"dtype": str(visual.dtype), "plugin_active": per_image is not type(visual).forward,
                            "runs": []}
+    if attn_backends:
+        modules = encoder_attention_modules(visual)
+        out["attention_backend_default"] = modules[0].attn_backend.name
+        cases = [(kind, [GRIDS[kind][1] * GRIDS[kind][2]] * n) for kind, n in ATTENTION_CASES]
+        out["attention_backends"] = measure_attention(modules[0], cases, attn_backends, repeats * 4, visual.device,
+                                                      visual.dtype)
+        out["tower_backends"] = measure_tower_backends(visual, attn_backends, repeats)
+    if not loop:
+        return out
 
     def timed(fn) -> float:
         for _ in range(2):
@@ -86,7 +271,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--attn-backends", default="", help="comma-separated encoder attention backends to time, first "
+                   f"the reference (e.g. {','.join(ATTENTION_BACKENDS)}; `all` for these); default none")
+    p.add_argument("--no-loop", action="store_true", help="skip the per-image loop against the batched pass and "
+                   "the kernel table (only the attention backends)")
     args = p.parse_args(argv)
+    backends = list(ATTENTION_BACKENDS) if args.attn_backends == "all" else \
+        [b.strip() for b in args.attn_backends.split(",") if b.strip()]
+    for b in backends:
+        name, _, kernel = b.partition(":")
+        if name not in {x.split(":")[0] for x in ATTENTION_BACKENDS} or (kernel and name != "TORCH_SDPA"):
+            p.error(f"unknown attention backend {b!r} (known: {', '.join(ATTENTION_BACKENDS)})")
+    if args.no_loop and not backends:
+        p.error("--no-loop leaves nothing to measure without --attn-backends")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process: apply_model
 
     from service.modelkit import write_kit
@@ -103,11 +300,15 @@ def main(argv: list[str] | None = None) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
               mm_processor_cache_gb=0, limit_mm_per_prompt={"image": 1})
     load_s = time.perf_counter() - started
-    result = llm.apply_model(lambda model: measure(model, vit, args.repeats))[0]
+    result = llm.apply_model(lambda model: measure(model, vit, args.repeats, backends, loop=not args.no_loop))[0]
     result.update(load_s=round(load_s, 1), vit_tflop_per_image=vit)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "encoder.json").write_text(json.dumps(result, indent=2))
-    print(result["a4_top_kernels"], flush=True)
+    if backends:
+        (args.out / "attention.md").write_text(attention_report(result))
+        print(attention_report(result), flush=True)
+    if "a4_top_kernels" in result:
+        print(result["a4_top_kernels"], flush=True)
     return 0
 
 

@@ -1087,3 +1087,25 @@ def test_trace_part_profiles_a_real_vllm_cpu_engine_under_load(tmp_path):
         assert (out / "traces" / f"id_card-{level}-{traced['file']}").exists()
     report = (out / "report.md").read_text()
     assert "Engine steps under the torch profiler" in report and "| id_card | 2 | decode |" in report
+
+
+def test_parts_may_name_their_engine_count_so_one_and_two_engines_run_in_one_call(monkeypatch, tmp_path, capsys):
+    """`--service-engines 1,2` runs every labelled service part with both counts; `service@hap,service_x2@colo`
+    runs one engine (split, HAProxy) against two colocated engines in one call, nothing more."""
+    started = []
+    monkeypatch.setattr(bench_gpu.Bench, "prepare", lambda self: None)
+    monkeypatch.setattr(bench_gpu.Bench, "part_service", lambda self, *a: started.append(a))
+    monkeypatch.setattr(bench_gpu.Bench, "finish", lambda self: None)
+    monkeypatch.setattr(bench_gpu, "preflight", lambda parts, pair_servers=(), mps_labels=frozenset(): {})
+    args = ["--parts", "service@hap,service_x2@colo", "--variant", "hap:env:RAY_SERVE_ENABLE_HA_PROXY=1",
+            "--variant", "colo:env:OCR_SERVE_TOPOLOGY=colocated", "--workloads", "id_card", "--id-levels", "16",
+            "--out", str(tmp_path)]
+    assert bench_gpu.main([*args, "--plan-only"]) == 0
+    assert "plan: ['service@hap', 'service_x2@colo']" in capsys.readouterr().out
+    assert bench_gpu.main(args) == 0
+    assert [a[0] for a in started] == ["service@hap", "service_x2@colo"]
+    assert bench_gpu.variant_count("service_x2@colo") == 2
+    for bad in ("service_x0", "service_x", "service_xx2", "raw_api0@hap"):
+        with pytest.raises(SystemExit):
+            bench_gpu.main(["--parts", bad, "--variant", "hap:env:A=1", "--plan-only", "--out", str(tmp_path)])
+    assert "unknown parts" in capsys.readouterr().err
