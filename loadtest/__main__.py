@@ -9,6 +9,7 @@
     python -m loadtest bench limiter ...  rate-limiter decisions/s (loadtest/bench_limiter.py)
     python -m loadtest bench preprocess   image preprocessing images/s per backend and thread count (no GPU)
     python -m loadtest bench encoder ...  the vision tower alone on the GPU: ms per image, kernels (vLLM + CUDA)
+    python -m loadtest bench engine-start how long an engine replica takes to start, with and without render processes
     python -m loadtest bench pool A B     pool the rounds of several `bench gpu --parts pair` runs (no GPU)
     python -m loadtest bench lora-kernels tune vLLM's Triton LoRA kernels for the model's layers on this GPU
 
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "limiter": "loadtest.bench_limiter",
     "preprocess": "loadtest.bench_preprocess",
     "encoder": "loadtest.profile_encoder",
+    "engine-start": "loadtest.engine_start",
     "pool": "loadtest.pool_pairs",
     "lora-kernels": "loadtest.lora_kernels",
 }

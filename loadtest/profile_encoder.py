@@ -220,18 +220,6 @@ def measure(model, vit_tflop: dict[str, float], repeats: int, attn_backends: lis
     if not loop:
         return out
 
-    def timed(fn) -> float:
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-
     with torch.inference_mode():
         for kind, grid in GRIDS.items():
             for n in (1, 4, 8):
@@ -240,7 +228,7 @@ def measure(model, vit_tflop: dict[str, float], repeats: int, attn_backends: lis
                 for variant, fn in (("vllm", lambda: per_image(visual, x, grids)),
                                     ("batched", lambda: batched_vision_forward(visual, x, grids))):
                     try:
-                        ms = timed(fn)
+                        ms = timed_ms(fn, repeats, visual.device)
                     except Exception as exc:  # the experiment must not cost the measured baseline
                         out.setdefault("errors", []).append(f"{variant} {kind}x{n}: {type(exc).__name__}: {exc}")
                         print(out["errors"][-1], flush=True)

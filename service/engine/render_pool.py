@@ -91,7 +91,7 @@ def _init_worker(vllm_config: Any, warm_inputs: dict[str, Any], ready) -> None:
     vllm_config.model_config.renderer_num_workers = 1
     _worker_renderer = renderer_from_config(vllm_config)
     _worker_renderer.render_cmpl([warm_inputs])
-    ready.put(os.getpid())
+    ready.put((os.getpid(), time.time()))
 
 
 def _render(prompt: str, request: EngineRequest, mm_processor_kwargs: dict[str, Any]) -> tuple[str, Any]:
@@ -133,19 +133,35 @@ class RenderPool:
         self._generation = 0  # bumped each time a broken pool is replaced, so concurrent failures replace it once
         self._restart_lock = asyncio.Lock()
         self.worker_pids: list[int] = []
+        self._starting: list[asyncio.Future] = []  # launch(): one task per worker, done once it is ready
+        self._ready: Any = None  # launch(): the queue the workers put their pids on
+        self._launched_at = 0.0
+        self.ready_at = 0.0  # wall clock (time.time) when the last worker of the latest launch was ready
 
     async def start(self, timeout_s: float = 600.0) -> None:
-        started = time.perf_counter()
+        self.launch()
+        await self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Spawn the workers and return: each builds and warms its renderer in its own process while the caller goes
+        on (the engine starts its EngineCore meanwhile). wait_ready() then waits for them."""
+        self._launched_at = self.ready_at = time.time()
         context = multiprocessing.get_context("spawn")
-        ready = context.Queue()
+        self._ready = context.Queue()
         self._pool = pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=self.processes, mp_context=context, initializer=_init_worker,
-            initargs=(self._vllm_config, self._warm_inputs, ready))
+            initargs=(self._vllm_config, self._warm_inputs, self._ready))
         # a spawn pool starts a worker for each task that finds none idle: N tasks at once start all N now, instead
         # of making the first users wait for a process start. Each worker reports once its initializer has built
-        # and warmed its renderer; a worker that fails there breaks the pool and with it these tasks.
+        # and warmed its renderer; a worker that fails there breaks the pool and with it these tasks. The tasks are
+        # handed to the pool here, so the workers start even if the caller then blocks its event loop.
         loop = asyncio.get_running_loop()
-        tasks = [loop.run_in_executor(pool, _nothing) for _ in range(self.processes)]
+        self._starting = [loop.run_in_executor(pool, _nothing) for _ in range(self.processes)]
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Wait until every worker launched by launch() has warmed its renderer; raise if one failed or the
+        workers are not all ready within timeout_s (counted from here)."""
+        tasks, ready = self._starting, self._ready
         pids: list[int] = []
         deadline = time.monotonic() + timeout_s
         while len(pids) < self.processes:
@@ -155,13 +171,15 @@ class RenderPool:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.processes - len(pids)} render processes not ready after {timeout_s:.0f} s")
             try:
-                pids.append(await asyncio.to_thread(ready.get, True, 1.0))
+                pid, ready_at = await asyncio.to_thread(ready.get, True, 1.0)
             except queue.Empty:
-                pass
+                continue
+            pids.append(pid)
+            self.ready_at = max(self.ready_at, ready_at)
         await asyncio.gather(*tasks)
         ready.close()
         self.worker_pids = sorted(pids)
-        log.info("%d render processes ready in %.1f s", len(pids), time.perf_counter() - started)
+        log.info("%d render processes ready %.1f s after their launch", len(pids), self.ready_at - self._launched_at)
 
     async def render(self, prompt: str, request: EngineRequest, mm_processor_kwargs: dict[str, Any]) -> dict:
         """vLLM's engine input for one page. A worker that dies (killed, out of memory) breaks the pool: it is
@@ -201,6 +219,14 @@ class RenderPool:
         pool, self._pool = self._pool, None
         if pool is None:
             return
+        for task in self._starting:  # a pool stopped before it was ready: its start tasks fail, and that is known
+            try:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()
+            except RuntimeError:  # their event loop is closed already: nothing left to tell
+                pass
         processes = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:  # idle workers exit on the shutdown; a worker mid-page is not waited for

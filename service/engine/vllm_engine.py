@@ -121,6 +121,9 @@ class VLLMEngine:
         self._special_ids: set[int] = set()
         self._last_success = float("-inf")  # monotonic time the last generation completed
         self.lora_warmup_ms: float | None = None  # set once the LoRA kernels are warmed up (enable_lora)
+        # seconds from start(): `vllm` when vLLM's engine was up, `render_processes` when the render processes were,
+        # `ready` at the end; `render_processes_launched` when those were spawned (before vLLM's engine began)
+        self.startup_s: dict[str, float] = {}
         self.lora_warmup_prompt_lengths: list[int] = []  # the warm-up's prompt lengths (service.engine.lora_kernels)
         self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # loaded in vLLM, least recent first
         self._registered: dict[str, str] = {}  # name -> path added at run time (admin load with a path)
@@ -180,7 +183,7 @@ class VLLMEngine:
         if self.settings.engine_torch_threads:
             # the EngineCore process vLLM spawns next inherits this environment (settings.engine_torch_threads)
             os.environ["OMP_NUM_THREADS"] = str(self.settings.engine_torch_threads)
-        started = time.perf_counter()
+        started = time.time()  # wall clock: the render processes report when they were ready on it too
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self._special_ids = set(self._tokenizer.added_tokens_decoder)
         self._wrap_image_token = _needs_wrapped_image_token()
@@ -189,20 +192,31 @@ class VLLMEngine:
         # GPUs, 2048 elsewhere) are then the ones `vllm serve` gets, not the 2048 of a bare engine
         from vllm.usage.usage_lib import UsageContext
 
-        self._llm = AsyncLLM.from_engine_args(self.engine_args(), usage_context=UsageContext.OPENAI_API_SERVER,
-                                              stat_loggers=vllm_stat_loggers(self.settings))
-        await self._warm_renderer()
+        engine_args = self.engine_args()
+        vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         if self.settings.preprocess_processes:
-            self._render_pool = RenderPool(self._llm.vllm_config, self.settings.preprocess_processes,
+            # the render processes import vLLM and build their renderers while the EngineCore loads the model and
+            # captures its graphs: one after the other, they made the H200's replicas ready 23-61 s later
+            self._render_pool = RenderPool(vllm_config, self.settings.preprocess_processes,
                                            warm_inputs=self._warm_page_inputs())
-            try:
-                await self._render_pool.start()
-            except BaseException:  # no half-started engine: its EngineCore and any started workers go too
-                await self.shutdown()
-                raise
+            self._render_pool.launch()
+            self.startup_s["render_processes_launched"] = time.time() - started
+        try:
+            self._llm = AsyncLLM.from_vllm_config(
+                vllm_config, usage_context=UsageContext.OPENAI_API_SERVER, stat_loggers=vllm_stat_loggers(self.settings),
+                enable_log_requests=engine_args.enable_log_requests, disable_log_stats=engine_args.disable_log_stats)
+            self.startup_s["vllm"] = time.time() - started
+            await self._warm_renderer()
+            if self._render_pool is not None:
+                await self._render_pool.wait_ready()
+                self.startup_s["render_processes"] = self._render_pool.ready_at - started
+        except BaseException:  # no half-started engine: its EngineCore and any started workers go too
+            await self.shutdown()
+            raise
         if self.settings.enable_lora:
             await self._warm_lora_kernels()
-        log.info("vLLM engine ready in %.1fs (model %s, image token %s)", time.perf_counter() - started,
+        self.startup_s["ready"] = time.time() - started
+        log.info("vLLM engine ready in %.1fs (model %s, image token %s)", self.startup_s["ready"],
                  self.settings.served_model_name, "wrapped" if self._wrap_image_token else "bare")
 
     async def _warm_renderer(self) -> None:

