@@ -13,7 +13,8 @@ as the roofline (`bench_gpu.page_flops`). Writes OUT/encoder.json.
 `--attn-backends` also times the tower's attention with each backend vLLM can run it with
 (`mm_encoder_attn_backend`): FlashAttention 3 (vLLM's pick on an H200), vLLM's Triton kernel, and PyTorch's SDPA,
 alone and limited to each of its kernels (`TORCH_SDPA:CUDNN_ATTENTION`, …). Head size 72 is not one FlashAttention 3
-is built for, so its kernels run at 96; another kernel may waste less. Each backend is timed on one attention call
+is built for, so its kernels run at 96; another kernel might waste less (on the H200 none was faster:
+docs/BENCHMARKS.md, thirty-first session). Each backend is timed on one attention call
 (the sizes of one ID card, four ID cards in one call, one A4 page) and on the whole batched tower, and checked
 against FlashAttention's output. The switch is in place on the loaded model (the attribute vLLM reads per call), so
 all backends run on the same weights in one process.
