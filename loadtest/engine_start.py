@@ -75,9 +75,9 @@ def report(result: dict[str, Any]) -> str:
              "ready − first count, s |", "|---:|---:|---:|---:|---:|---:|"]
     for n, m in medians.items():
         count = sum(1 for s in result["starts"] if str(s["processes"]) == n)
-        lines.append(f"| {n} | {count} | {m['vllm']:.1f} | {m.get('render_processes', float('nan')):.1f} | "
-                     f"{m['ready']:.1f} | {m['ready'] - first:+.1f} |")
-    return "\n".join(lines).replace("nan", "–")
+        pool = f"{m['render_processes']:.1f}" if "render_processes" in m else "–"
+        lines.append(f"| {n} | {count} | {m['vllm']:.1f} | {pool} | {m['ready']:.1f} | {m['ready'] - first:+.1f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
