@@ -31,6 +31,16 @@ def test_medians_and_table_from_fixed_starts():
     assert "| 2 | 2 | 12.5 | 14.5 | 15.5 | +3.5 |" in table
 
 
+def test_full_starts_use_the_services_batch_size(tmp_path):
+    """A GPU start captures CUDA graphs for every batch size up to max_num_seqs, so --full must not shrink it."""
+    from service.settings import Settings
+
+    full = Settings(**engine_start.engine_settings(tmp_path, 4, full=True))
+    assert full.max_num_seqs == Settings().max_num_seqs and full.preprocess_processes == 4
+    assert full.load_format == "dummy" and full.gpu_memory_utilization == 0.17
+    assert Settings(**engine_start.engine_settings(tmp_path, 0, full=False)).max_num_seqs == 4
+
+
 def test_bad_counts_are_refused(tmp_path):
     for bad in (["--processes", "a,b"], ["--processes", "-1"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
