@@ -27,7 +27,7 @@ from typing import Any
 def engine_settings(kit: Path, processes: int, full: bool) -> dict[str, Any]:
     settings: dict[str, Any] = {"engine": "vllm", "model": str(kit), "image_processor_backend": "torchvision",
                                 "preprocess_processes": processes}
-    if full:  # the service's own max_num_seqs: it sets how many batch sizes vLLM captures CUDA graphs for
+    if full:  # the service's own max_num_seqs: vLLM captures CUDA graphs up to twice it
         settings.update(load_format="dummy", dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.17)
     else:
         settings.update(max_num_seqs=4, dtype="float32", max_model_len=1024, kv_cache_memory_gb=0.25,

@@ -32,7 +32,7 @@ def test_medians_and_table_from_fixed_starts():
 
 
 def test_full_starts_use_the_services_batch_size(tmp_path):
-    """A GPU start captures CUDA graphs for every batch size up to max_num_seqs, so --full must not shrink it."""
+    """vLLM captures CUDA graphs for batch sizes up to 2 x max_num_seqs, so --full must not shrink it."""
     from service.settings import Settings
 
     full = Settings(**engine_start.engine_settings(tmp_path, 4, full=True))
