@@ -252,6 +252,15 @@ async def _stream(ctx: AppContext, engine_request: EngineRequest, frame, final_f
     yield "data: [DONE]\n\n"
 
 
+async def _streaming_response(ctx: AppContext, engine_request: EngineRequest, frame, final_frame,
+                              stream_options: StreamOptions | None, headers: dict[str, str]) -> StreamingResponse:
+    """The SSE response, once the first chunk is there: a failure before it is an ordinary error response."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
+                                         ctx.settings.request_timeout_s)
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
 # --- router ---------------------------------------------------------------------------------------------------------
 
 def make_router(ctx: AppContext) -> APIRouter:
@@ -291,10 +300,7 @@ def make_router(ctx: AppContext) -> APIRouter:
                 return {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(result),
                                               "logprobs": None}]}
 
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
-                                                 ctx.settings.request_timeout_s)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return await _streaming_response(ctx, engine_request, frame, final_frame, req.stream_options, headers)
         result = await ctx.engine.generate(engine_request)
         body = {**base, "choices": [{
             "index": 0, "message": {"role": "assistant", "content": result.text},
@@ -335,10 +341,7 @@ def make_router(ctx: AppContext) -> APIRouter:
                 return {**base, "choices": [{"index": 0, "text": "", "logprobs": None,
                                              "finish_reason": finish_reason(result)}]}
 
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
-                                                 ctx.settings.request_timeout_s)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return await _streaming_response(ctx, engine_request, frame, final_frame, req.stream_options, headers)
         result = await ctx.engine.generate(engine_request)
         body = {**base, "choices": [{
             "index": 0, "text": result.text,
