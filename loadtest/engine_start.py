@@ -9,7 +9,9 @@ until vLLM's engine was up (`vllm`), until the render processes were ready (`ren
 before vLLM's engine starts and build their renderers meanwhile) and until the engine was ready (`ready`); per
 count the median of each. What the render processes add to a replica's start is the difference of the `ready`
 medians. `--full` uses the HunyuanOCR-1.5 shape with dummy weights in bf16 and a 24 GB card's budget, as
-`bench gpu` does.
+`bench gpu` does, and the service's own max_num_seqs. The results file is rewritten after each start.
+On a GPU the first start on a machine compiles the model and fills vLLM's compile cache (~/.cache/vllm), which the
+later starts load from: with `--rounds 3` (order 0,4 · 4,0 · 0,4) each count's median is a warm start.
 """
 
 from __future__ import annotations
