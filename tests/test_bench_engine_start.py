@@ -41,6 +41,28 @@ def test_full_starts_use_the_services_batch_size(tmp_path):
     assert Settings(**engine_start.engine_settings(tmp_path, 0, full=False)).max_num_seqs == 4
 
 
+def test_a_run_cut_short_keeps_the_starts_it_made(tmp_path, monkeypatch):
+    """The results file is rewritten after each start: when the second start fails (or a device call's limit kills
+    the run), the first start's numbers are on disk."""
+    calls = []
+
+    async def fake_start(settings):
+        calls.append(settings["preprocess_processes"])
+        if len(calls) == 2:
+            raise RuntimeError("the machine went away")
+        return {"startup_s": {"vllm": 30.0, "ready": 31.0}, "page_s": 0.5}
+
+    monkeypatch.setattr(engine_start, "one_start", fake_start)
+    monkeypatch.setattr("service.modelkit.write_kit", lambda *args, **kwargs: None)
+    out = tmp_path / "deep" / "start.json"
+    with pytest.raises(RuntimeError, match="went away"):
+        engine_start.main(["--processes", "0,4", "--rounds", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert calls == [0, 4] and [s["processes"] for s in result["starts"]] == [0]
+    assert result["medians"] == {"0": {"vllm": 30.0, "ready": 31.0}}
+    assert "| 0 | 1 | 30.0 | – | 31.0 | +0.0 |" in out.with_suffix(".md").read_text()
+
+
 def test_bad_counts_are_refused(tmp_path):
     for bad in (["--processes", "a,b"], ["--processes", "-1"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
