@@ -320,7 +320,12 @@ class Settings(BaseSettings):
     health_check_period_s: float = Field(10.0, gt=0, description="Serve health check period of engine replicas.")
     health_check_timeout_s: float = Field(60.0, gt=0, description="Serve health check timeout of engine replicas.")
     graceful_shutdown_timeout_s: float = Field(
-        30.0, ge=0, description="Time in-flight requests get to finish when a replica stops."
+        30.0, ge=0, description="Time in-flight requests get to finish when a replica (ingress or engine) stops."
+    )
+    graceful_shutdown_wait_loop_s: float = Field(
+        0.25, gt=0, description="How often a stopping replica checks whether its in-flight requests have finished. "
+        "Each stop waits at least one period, and Serve stops the ingress before the engine: with Serve's default "
+        "of 2 s every shutdown took 4 s longer."
     )
 
     # --- observability ---------------------------------------------------------------------------------------------

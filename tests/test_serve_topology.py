@@ -55,6 +55,21 @@ def test_colocated_unbounded_queue_gets_a_large_serve_limit():
     assert deployments[COLOCATED_DEPLOYMENT].num_replicas == 1
 
 
+def test_every_deployment_gets_the_shutdown_timeout_and_wait_loop():
+    """A client waits on its ingress replica, so a stopping ingress gets the engine's time to finish (it had Serve's
+    20 s default). The wait loop is how often a stopping replica looks for in-flight requests; each stop waits at
+    least one period, and Serve stops the ingress before the engine (with Serve's 2 s, every shutdown took 4 s
+    longer, in the CLI, the tests and on downscale)."""
+    settings = Settings(engine="mock", graceful_shutdown_timeout_s=45, graceful_shutdown_wait_loop_s=0.5)
+    for topology in ("split", "colocated"):
+        deployments = built_deployments(settings.model_copy(update={"serve_topology": topology}))
+        assert len(deployments) == (2 if topology == "split" else 1)
+        for name, deployment in deployments.items():
+            config = deployment._deployment_config
+            assert (config.graceful_shutdown_timeout_s, config.graceful_shutdown_wait_loop_s) == (45, 0.5), name
+    assert Settings().graceful_shutdown_wait_loop_s == 0.25
+
+
 async def _hold(gate: EngineGate, entered: list[int], release: asyncio.Event, i: int) -> int:
     async with gate.admit():
         entered.append(i)

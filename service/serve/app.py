@@ -360,6 +360,7 @@ def engine_deployment_options(settings: Settings) -> dict[str, Any]:
         "health_check_period_s": settings.health_check_period_s,
         "health_check_timeout_s": settings.health_check_timeout_s,
         "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": settings.graceful_shutdown_wait_loop_s,
     }
     if settings.min_replicas == settings.max_replicas:
         options["num_replicas"] = settings.min_replicas
@@ -392,6 +393,9 @@ def build_app(settings: Settings) -> serve.Application:
         num_replicas=settings.ingress_replicas,
         ray_actor_options={"num_cpus": settings.ingress_num_cpus},
         max_ongoing_requests=max(64, settings.max_ongoing_requests * settings.max_replicas * 2),
+        # a client waits on its ingress replica: it gets the same time to finish as the engine's
+        graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=settings.graceful_shutdown_wait_loop_s,
     )
     return ingress.bind(engine, plain)
 
