@@ -59,7 +59,9 @@ async def run(args: argparse.Namespace) -> dict:
     await engine.start()
     results.update(start_s=round(time.perf_counter() - started, 1), start_kernels=compiled_kernels(roots) - kernels,
                    lora_warmup_ms=engine.lora_warmup_ms,
-                   lora_warmup_prompt_lengths=engine.lora_warmup_prompt_lengths)
+                   lora_warmup_prompt_lengths=engine.lora_warmup_prompt_lengths,
+                   # where the LoRA layers vLLM built differ from the warm-up's kernel shapes ([] when they agree)
+                   lora_layer_differences=engine.lora_layer_differences)
     print(json.dumps({k: v for k, v in results.items() if k != "requests"}), flush=True)
     page = Image.open(io.BytesIO(render_document())).convert("RGB")
     try:

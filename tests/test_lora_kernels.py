@@ -46,6 +46,26 @@ def test_shapes_are_the_layers_vllm_builds_for_hunyuanocr(full_kit):
     assert sum(s.calls_per_step for s in shapes.values()) == 24 * 4 * 2
 
 
+def test_the_engines_layers_are_compared_with_the_packing_the_shapes_assume():
+    """`packed_layer_differences` reads what the engine's worker reports (`ocr_lora_layers`; the real vLLM-CPU
+    engine's answer is checked in test_vllm_engine_warmup): nothing when it agrees with PACKED_LAYERS, else one line
+    per layer kind that is missing, extra, or sliced otherwise."""
+    from service.engine.lora_kernels import packed_layer_differences
+
+    packed = {"qkv_proj": [3], "o_proj": [1], "gate_up_proj": [2], "down_proj": [1]}
+    assert packed_layer_differences(packed) == []
+    unpacked = {"q_proj": [1], "k_proj": [1], "v_proj": [1], "o_proj": [1], "gate_up_proj": [2], "down_proj": [1],
+                "lm_head": [1]}
+    assert packed_layer_differences(unpacked) == [
+        "k_proj: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)",
+        "lm_head: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)",
+        "q_proj: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)",
+        "qkv_proj: no such LoRA layer in the engine (expected [3] slices)",
+        "v_proj: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)"]
+    assert packed_layer_differences({**packed, "qkv_proj": [1, 3]}) == [
+        "qkv_proj: [1, 3] slices in the engine, [3] expected"]
+
+
 def test_candidates_never_split_k_beyond_the_input_and_include_real_choices(full_kit):
     for shape in kernel_shapes(full_kit, rank=16):
         configs = candidates(shape)

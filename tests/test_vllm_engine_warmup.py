@@ -206,6 +206,10 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
         assert engine.lora_warmup_ms is not None and engine.lora_warmup_ms > 0
         # vLLM's default configs: shrink switches at 128 tokens, so two ranges, the first 16 token counts of each
         assert engine.lora_warmup_prompt_lengths == [*range(1, 17), *range(128, 144)], engine.lora_warmup_prompt_lengths
+        # the layers vLLM built, as its worker reports them, are the packed ones the kernel shapes assume
+        (layers,) = await engine._llm.collective_rpc("ocr_lora_layers")
+        assert layers["linear"] == {"down_proj": [1], "gate_up_proj": [2], "o_proj": [1], "qkv_proj": [3]}, layers
+        assert engine.lora_layer_differences == []
         assert not await engine._llm.list_loras() and await engine.list_adapters() == []
         white = b"\xff" * (256 * 192 * 3)
 
@@ -229,6 +233,22 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
 
         def broken(*args, **kwargs):
             raise OSError("disk full")
+
+        # an engine whose layers differ from the assumed ones (a vLLM that stopped packing gate/up): a warning that
+        # names them, and the warm-up still runs on the assumed shapes
+        monkeypatch.setattr("service.engine.lora_kernels.PACKED_LAYERS", (
+            ("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)), ("gate_proj", ("gate_proj",)),
+            ("up_proj", ("up_proj",)), ("down_proj", ("down_proj",))))
+        with caplog.at_level(logging.WARNING, logger="service.engine.vllm_engine"):
+            await engine._warm_lora_kernels()
+        assert engine.lora_layer_differences == [
+            "gate_proj: no such LoRA layer in the engine (expected [1] slices)",
+            "gate_up_proj: a LoRA layer the warm-up's lengths were not chosen for ([2] slices)",
+            "up_proj: no such LoRA layer in the engine (expected [1] slices)"]
+        assert "not the ones its kernel shapes assume (gate_proj: no such" in caplog.text
+        assert engine.lora_warmup_ms > 0 and not await engine._llm.list_loras()
+        monkeypatch.undo()
+        caplog.clear()
 
         monkeypatch.setattr("service.modelkit.write_lora_adapter", broken)
         engine.lora_warmup_ms = None

@@ -63,6 +63,24 @@ def kernel_shapes(model_dir: Path, rank: int) -> list[KernelShape]:
     return list(shapes.values())
 
 
+def packed_layer_differences(engine_slices: dict[str, list[int]]) -> list[str]:
+    """Where the linear LoRA layers the engine built (`OCRWorkerExtension.ocr_lora_layers`) differ from
+    PACKED_LAYERS, which `kernel_shapes` assumes: one line per layer kind, none when they agree. A kernel's config
+    depends on its number of slices and its sizes, so with a difference the warm-up's prompt lengths were chosen
+    for other kernels than the ones adapter requests launch."""
+    expected = {packed: [len(parts)] for packed, parts in PACKED_LAYERS}
+    differences = []
+    for kind in sorted(set(expected) | set(engine_slices)):
+        if kind not in engine_slices:
+            differences.append(f"{kind}: no such LoRA layer in the engine (expected {expected[kind]} slices)")
+        elif kind not in expected:
+            differences.append(f"{kind}: a LoRA layer the warm-up's lengths were not chosen for "
+                               f"({engine_slices[kind]} slices)")
+        elif engine_slices[kind] != expected[kind]:
+            differences.append(f"{kind}: {engine_slices[kind]} slices in the engine, {expected[kind]} expected")
+    return differences
+
+
 def config_key(config: dict) -> tuple:
     return tuple(sorted(config.items()))
 

@@ -125,6 +125,8 @@ class VLLMEngine:
         # `ready` at the end; `render_processes_launched` when those were spawned (before vLLM's engine began)
         self.startup_s: dict[str, float] = {}
         self.lora_warmup_prompt_lengths: list[int] = []  # the warm-up's prompt lengths (service.engine.lora_kernels)
+        # where the LoRA layers vLLM built differ from the warm-up's kernel shapes; None until it checked
+        self.lora_layer_differences: list[str] | None = None
         self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # loaded in vLLM, least recent first
         self._registered: dict[str, str] = {}  # name -> path added at run time (admin load with a path)
         self._next_lora_id = 1
@@ -193,6 +195,11 @@ class VLLMEngine:
         from vllm.usage.usage_lib import UsageContext
 
         engine_args = self.engine_args()
+        if self.settings.enable_lora and not engine_args.worker_extension_cls:
+            # the LoRA warm-up asks the worker which LoRA layers vLLM built (_warm_lora_kernels)
+            from service.engine.vllm_worker import EXTENSION
+
+            engine_args.worker_extension_cls = EXTENSION
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
         if self.settings.preprocess_processes:
             # the render processes import vLLM and build their renderers while the EngineCore loads the model and
@@ -246,15 +253,30 @@ class VLLMEngine:
         kernels compile during traffic (twenty-sixth session; the split where the graphs end came after, 33 and
         216 prompts). A prompt of n tokens makes one prefill step of n tokens, so the prompts are token ids, no image
         (the vision tower has no LoRA layers). The adapter takes a slot only while this runs. A failure costs users
-        the compile, not the replica: it is logged and start-up goes on."""
+        the compile, not the replica: it is logged and start-up goes on. The kernel shapes assume that vLLM packs
+        q/k/v and gate/up into one LoRA layer each; the engine's worker says which layers it built, and a difference
+        is logged as a warning (`lora_layer_differences`)."""
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
 
-        from service.engine.lora_kernels import config_ranges, kernel_shapes, warmup_prompt_lengths
+        from service.engine.lora_kernels import (config_ranges, kernel_shapes, packed_layer_differences,
+                                                 warmup_prompt_lengths)
         from service.modelkit import LORA_MODULES, write_lora_adapter
 
         llm = self._require_llm()
         started = time.perf_counter()
+        try:
+            (layers, *_) = await llm.collective_rpc("ocr_lora_layers")
+            self.lora_layer_differences = packed_layer_differences(layers["linear"])
+            if layers["other"]:  # an embedding's LoRA layer runs in every warm-up prompt too
+                log.info("LoRA layers besides the linear ones: %s",
+                         ", ".join(f"{kind} ({cls})" for kind, cls in layers["other"].items()))
+        except Exception as exc:  # noqa: BLE001 - a check; the warm-up runs on the assumed layers
+            self.lora_layer_differences = [f"the engine's LoRA layers could not be read ({type(exc).__name__})"]
+        if self.lora_layer_differences:
+            log.warning("LoRA warm-up: the engine's LoRA layers are not the ones its kernel shapes assume (%s); "
+                        "adapter requests may compile kernels while users wait",
+                        "; ".join(self.lora_layer_differences))
         try:
             # the longest prefill one step can hold, with room for the two tokens generated
             longest = min(llm.vllm_config.scheduler_config.max_num_batched_tokens, self.settings.max_model_len - 2)
