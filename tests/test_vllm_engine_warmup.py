@@ -239,6 +239,7 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
         monkeypatch.setattr("service.engine.lora_kernels.PACKED_LAYERS", (
             ("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)), ("gate_proj", ("gate_proj",)),
             ("up_proj", ("up_proj",)), ("down_proj", ("down_proj",))))
+        engine.lora_warmup_ms = None  # set again only if the warm-up runs to its end
         with caplog.at_level(logging.WARNING, logger="service.engine.vllm_engine"):
             await engine._warm_lora_kernels()
         assert engine.lora_layer_differences == [
