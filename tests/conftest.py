@@ -10,6 +10,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback only
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the product's Serve mode, before any test module imports ray.serve (every Ray process reads it at import)
+import pytest  # noqa: E402
+
 from service.serve.local import SERVE_MODE_ENV  # noqa: E402  (imports no Ray)
 
 for _name, _value in SERVE_MODE_ENV.items():
@@ -20,7 +22,18 @@ pytest_plugins = sorted(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Run the vLLM-engine tests last and together: they share one vLLM deployment per session, and every other
-    module's app redeploy in between would cost an engine restart (stable sort: file order is kept otherwise)."""
+    module's app redeploy in between would cost an engine restart (stable sort: file order is kept otherwise).
+
+    Under pytest-xdist (`tests/run.sh` runs two workers with `--dist loadgroup`) one worker runs the vLLM tests and
+    the tests that start vLLM engines of their own (marker `own_engines`), one at a time as without xdist: two of
+    them at once would not fit a 24 GB machine. Every other module is a group of its own, so its module-scoped
+    servers (redis, prometheus, chromium) start once. The engine group is the largest, so xdist hands it out first
+    and the other worker runs the rest meanwhile."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+    for item in items:
+        uses_engines = item.get_closest_marker("vllm") or item.get_closest_marker("own_engines")
+        group = "vllm-engines" if uses_engines else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))

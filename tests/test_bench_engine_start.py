@@ -69,6 +69,7 @@ def test_bad_counts_are_refused(tmp_path):
             engine_start.main([*bad, "--out", str(tmp_path / "r.json")])
 
 
+@pytest.mark.own_engines
 def test_engines_start_with_and_without_render_processes(tmp_path):
     out = tmp_path / "start.json"
     assert engine_start.main(["--processes", "0,1", "--rounds", "1", "--out", str(out)]) == 0

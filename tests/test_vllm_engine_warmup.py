@@ -24,6 +24,7 @@ import pytest
 from tests.fixtures.documents import render_document
 
 
+@pytest.mark.own_engines
 async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, monkeypatch):
     from PIL import Image
     from transformers.processing_utils import ProcessorMixin
@@ -183,6 +184,7 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
 
 
 
+@pytest.mark.own_engines
 async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_path, monkeypatch, caplog):
     """With LoRA slots on, start() runs prompts through a zero adapter on all seven linear modules of the text
     model, every length mod 16 in each range of token counts where vLLM keeps one kernel config, then frees its

@@ -40,6 +40,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.own_engines
 async def test_pages_render_in_worker_processes(tiny_model_dir):
     import torch
 
@@ -162,6 +163,7 @@ async def test_pages_render_in_worker_processes(tiny_model_dir):
     assert not [pid for pid in workers if alive(pid)], "render processes outlived the engine"
 
 
+@pytest.mark.own_engines
 async def test_an_engine_whose_render_processes_fail_to_start_stops_itself(tiny_model_dir, monkeypatch):
     """A render process that cannot warm up (here: its warm-up page is not an image) fails the engine's start with
     the reason, and the half-started engine does not stay behind: its vLLM engine is shut down, no pool is kept."""

