@@ -30,8 +30,9 @@ def pytest_collection_modifyitems(config, items):
     Under pytest-xdist (`tests/run.sh` runs two workers with `--dist loadgroup`) one worker runs the vLLM tests and
     the tests that start vLLM engines of their own (marker `own_engines`), one at a time as without xdist: two of
     them at once would not fit a 24 GB machine. Every other module is a group of its own, so its module-scoped
-    servers (redis, prometheus, chromium) start once. The engine group is the largest, so xdist hands it out first
-    and the other worker runs the rest meanwhile."""
+    servers (redis, prometheus, chromium) start once. xdist hands out the larger groups first; the engine group is
+    one of the two largest (tests/test_suite_groups.py), so it starts at once, and the other worker runs the rest
+    meanwhile."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
     for item in items:
         uses_engines = item.get_closest_marker("vllm") or item.get_closest_marker("own_engines")

@@ -3,6 +3,8 @@ group, so one worker runs them one at a time; every other test stays with its mo
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 
@@ -22,6 +24,10 @@ def test_every_test_has_one_group_and_the_engine_tests_share_one(request):
             engine_modules.add(path)
     if len(items) > 100:  # the whole suite: the engine tests of several modules are in it
         assert {"tests/test_vllm_engine.py", "tests/test_bench_gpu.py"} <= engine_modules
+        # xdist hands out the larger groups first: with two workers, the engine group (the critical path) must be
+        # among the first two, or it starts after other modules and the run grows by their time
+        sizes = collections.Counter(_groups(item)[0] for item in items)
+        assert "vllm-engines" in [group for group, _ in sizes.most_common(2)], sizes.most_common(3)
 
 
 def test_under_loadgroup_the_groups_reach_xdists_test_ids(request):
