@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback only
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the product's Serve mode, before any test module imports ray.serve (every Ray process reads it at import)
-import pytest  # noqa: E402
-
 from service.serve.local import SERVE_MODE_ENV  # noqa: E402  (imports no Ray)
 
 for _name, _value in SERVE_MODE_ENV.items():

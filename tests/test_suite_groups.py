@@ -20,6 +20,10 @@ def test_every_test_has_one_group_and_the_engine_tests_share_one(request):
         path = item.nodeid.split("::", 1)[0]
         uses_engines = item.get_closest_marker("vllm") or item.get_closest_marker("own_engines")
         assert _groups(item) == ["vllm-engines" if uses_engines else path], item.nodeid
+        # a test that deploys the session's vLLM app must say so (marker vllm), else it lands on the other worker
+        # and a second engine starts next to the first
+        if {"vllm_url", "vllm_settings"} & set(getattr(item, "fixturenames", ())):
+            assert item.get_closest_marker("vllm"), f"{item.nodeid} uses the vLLM app without the vllm marker"
         if uses_engines:
             engine_modules.add(path)
     if len(items) > 100:  # the whole suite: the engine tests of several modules are in it
