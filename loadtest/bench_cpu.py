@@ -29,6 +29,12 @@
     it) with Serve's replica wait loop (`graceful_shutdown_wait_loop_s` 2 s, Serve's default) and with ours
     (0.25 s), alternating rounds: seconds from launch to ready, and from the signal until no process of the
     service is left (the CLI's drain, Serve stopping the ingress and then the engine, Ray).
+11. `busy`: the embedded engine through the API, ID cards one at a time, first on a quiet machine and then beside
+    busy neighbours (`--busy` spinning processes, default twice the CPUs) started in the service's own session, as
+    a CI job's or a container's other work runs: once with Ray's workers at nice 15 (Ray's default) and once at the
+    priority of the command that started the service (`ocr-serve serve`'s, `WORKER_PRIORITY_ENV`). Linux puts a
+    session's processes in one scheduling group (autogroup), inside which nice values rank them; the part also
+    reads the engine replica's nice value from /proc.
 
     python -m loadtest bench cpu --out results/cpu
 """
@@ -46,11 +52,11 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import environment_facts, start_service
+from loadtest.common import environment_facts, session_members, start_service
 from loadtest.documents import GeneratedDocument, make_documents
 
 ALL_PARTS = ("overhead", "embedded", "admission", "vllm", "serve_mode", "png_check", "http_proxy", "png_rows",
-             "topology", "stop")
+             "topology", "stop", "busy")
 
 
 @dataclass(frozen=True)
@@ -246,6 +252,10 @@ def bench_stop(out: Path, rounds: int) -> dict[str, Any]:
     return result
 
 
+EMBEDDED_SERVICE = {"engine": "embedded", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
+                    "log_level": "WARNING"}
+
+
 def bench_embedded(out: Path, rounds: int, docs: int, block_s: float) -> dict[str, Any]:
     """Blocks of `block_s` seconds, alternating: direct rapidocr, then the API at concurrency 1, each cycling
     through the same documents; repeated `rounds` times. Then the API at concurrency 2 (pipelined).
@@ -259,8 +269,6 @@ def bench_embedded(out: Path, rounds: int, docs: int, block_s: float) -> dict[st
     from service.engine import make_engine
     from service.settings import Settings
 
-    settings = {"engine": "embedded", "rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
-                "log_level": "WARNING"}
     documents = make_documents("a4", docs) + make_documents("id_card", docs)
     engine = make_engine(Settings(engine="embedded"))
     asyncio.run(engine.start())
@@ -282,7 +290,7 @@ def bench_embedded(out: Path, rounds: int, docs: int, block_s: float) -> dict[st
             samples[path].setdefault(doc.kind, []).append(call(doc))
             i += 1
 
-    proc, url = start_service(settings, log_path=out / "logs" / "service-embedded.log")
+    proc, url = start_service(EMBEDDED_SERVICE, log_path=out / "logs" / "service-embedded.log")
     try:
         for doc in documents:  # warm both paths on every document
             direct(doc)
@@ -323,6 +331,64 @@ def bench_embedded(out: Path, rounds: int, docs: int, block_s: float) -> dict[st
                    "p50_ms": api_c2["latency_ms_p50"], "engine_ms_p50": api_c2["engine_ms_p50"],
                    "errors": api_c2["errors"]},
     }
+
+
+# Ray's default worker priority, and the one `ocr-serve serve` sets (service.serve.local.WORKER_PRIORITY_ENV)
+WORKER_PRIORITIES = {"ray_default": "15", "ours": "0"}
+
+
+def replica_niceness(proc, title: str = "ray::ServeReplica:ocr:OCREngine") -> list[int]:
+    """The nice value of each process of the service (its session) that runs `title` (Ray names a worker process
+    after the actor it runs)."""
+    from loadtest.resources import niceness, process_kind
+
+    return [nice for pid in session_members(proc.pid)
+            if process_kind(pid).startswith(title) and (nice := niceness(pid)) is not None]
+
+
+def bench_busy(out: Path, docs: int, block_s: float, busy: int) -> dict[str, Any]:
+    """Per worker priority (one service start each): ID cards through the API one at a time for `block_s` seconds
+    (at least one) on a quiet machine, then as long again beside `busy` spinning neighbours in the service's
+    session (`loadtest.neighbours`, switched on by a file)."""
+    import sys
+
+    documents = make_documents("id_card", docs)
+    target = run.OCRTarget(task_override="text")
+    bodies = [target.body(run.Job(doc.kind, "text"), doc) for doc in documents]
+
+    def block(url: str) -> list[dict[str, float]]:
+        samples, started = [], time.perf_counter()
+        while not samples or time.perf_counter() - started < block_s:
+            samples.append(_post_sequential(url, bodies[len(samples) % len(bodies)], 1)[0])
+        return samples
+
+    result: dict[str, Any] = {"documents": f"{docs} ID cards, cycled, one at a time; {block_s:g} s blocks",
+                              "busy_processes": busy}
+    for name, worker_nice in WORKER_PRIORITIES.items():
+        switch = out / f"neighbours-{name}.on"
+        switch.unlink(missing_ok=True)
+        launcher = [sys.executable, "-m", "loadtest.neighbours", "--count", str(busy), "--switch", str(switch), "--"]
+        proc, url = start_service(EMBEDDED_SERVICE, log_path=out / "logs" / f"service-busy-{name}.log",
+                                  extra_env={"RAY_worker_niceness": worker_nice}, launcher=launcher)
+        try:
+            for body in bodies:  # warm: the first request of each document
+                _post_sequential(url, body, 1)
+            quiet = block(url)
+            switch.touch()
+            beside = block(url)
+            switch.unlink()
+            replica_nice = replica_niceness(proc)
+        finally:
+            switch.unlink(missing_ok=True)
+            proc.stop(timeout_s=30)
+        quiet_ms = statistics.fmean(x["latency_ms"] for x in quiet)
+        busy_ms = statistics.fmean(x["latency_ms"] for x in beside)
+        result[name] = {"worker_niceness": int(worker_nice), "engine_replica_niceness": replica_nice,
+                        "quiet_ms": round(quiet_ms, 1), "busy_ms": round(busy_ms, 1),
+                        "busy_engine_ms": round(statistics.fmean(x["server_engine_ms"] for x in beside), 1),
+                        "busy_over_quiet": round(busy_ms / quiet_ms, 2), "n": (len(quiet), len(beside))}
+        print(f"  busy {name}: quiet {quiet_ms:.0f} ms, beside {busy} busy processes {busy_ms:.0f} ms", flush=True)
+    return result
 
 
 def bench_vllm(out: Path, step_s: float, levels: str) -> dict[str, Any]:
@@ -492,6 +558,15 @@ def report(results: dict[str, Any]) -> str:
             lines.append(f"| {kind} | {k['direct_ms']} | {k['api_ms']} | {k['api_engine_ms']} | "
                          f"{k['api_ingress_decode_ms']} |")
         lines.append("")
+    b = results.get("busy")
+    if b:
+        lines += [f"| embedded engine, {b['documents']} | Ray worker niceness | engine replica's niceness | quiet "
+                  f"machine, ms | beside {b['busy_processes']} busy processes, ms | of which engine, ms | slowdown |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | {v['worker_niceness']} | {', '.join(map(str, v['engine_replica_niceness']))} | "
+                  f"{v['quiet_ms']} | {v['busy_ms']} | {v['busy_engine_ms']} | **{v['busy_over_quiet']}×** |"
+                  for name, v in b.items() if name in WORKER_PRIORITIES]
+        lines.append("")
     a = results.get("admission")
     if a:
         lines += ["| ingress CPU per page (`prepare_page`) | PNG passed on, pixels left to the engine, ms | "
@@ -550,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
                         "per setting (serve_mode, png_check, http_proxy, topology, stop)")
     parser.add_argument("--docs", type=int, default=3, help="A4 pages and ID cards cycled through (embedded)")
     parser.add_argument("--block-s", type=float, default=30.0, help="seconds of each embedded block")
+    parser.add_argument("--busy", type=int, default=2 * (os.cpu_count() or 1),
+                        help="spinning neighbour processes (busy; default twice the CPUs)")
     parser.add_argument("--vllm-step-s", type=float, default=20.0, help="seconds per vLLM-CPU sweep step")
     parser.add_argument("--vllm-levels", default="1,4", help="vLLM-CPU concurrencies")
     parser.add_argument("--out", type=Path, default=Path("results/cpu"))
@@ -566,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         **{part: (lambda part=part: bench_modes(part, args.out, args.overhead_requests, args.rounds))
            for part in COMPARISONS},
         "embedded": lambda: bench_embedded(args.out, args.rounds, args.docs, args.block_s),
+        "busy": lambda: bench_busy(args.out, args.docs, args.block_s, args.busy),
         "admission": lambda: bench_admission(),
         "png_rows": lambda: bench_png_rows(),
         "stop": lambda: bench_stop(args.out, args.rounds),

@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 pass
         # what outlived the leader: its process group and its session (Ray actors get their own group)
-        for pid in [self.proc.pid, *_session_members(self.proc.pid)]:
+        for pid in [self.proc.pid, *session_members(self.proc.pid)]:
             try:
                 os.killpg(pid, signal.SIGKILL) if pid == self.proc.pid else os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -93,7 +93,7 @@ class ManagedProcess:
         # a killed process with gigabytes mapped (a Ray worker, a vLLM engine) takes a moment to go: return when the
         # session is empty, so a caller that starts the next server right away does not share the machine with it
         deadline = time.monotonic() + 10
-        while _session_members(self.proc.pid) and time.monotonic() < deadline:
+        while session_members(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         self._log.close()
 
@@ -104,7 +104,7 @@ class ManagedProcess:
         self.stop()
 
 
-def _session_members(sid: int) -> list[int]:
+def session_members(sid: int) -> list[int]:
     """Processes in session `sid` (ours: the child was started with start_new_session=True)."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -153,7 +153,7 @@ def port_holder(process: ManagedProcess, port: int | None, wait_s: float = 5.0) 
 
     deadline = time.monotonic() + wait_s
     while True:
-        for pid in [process.pid, *_session_members(process.pid)]:
+        for pid in [process.pid, *session_members(process.pid)]:
             if port in listening_ports([pid]):
                 return process_kind(pid)
         if time.monotonic() >= deadline:
@@ -238,13 +238,14 @@ def _wait_or_port_taken(proc: ManagedProcess, url: str, timeout_s: float) -> Non
 
 def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
                   ready_timeout_s: float = 900.0, extra_env: Mapping[str, str] | None = None,
-                  ) -> tuple[ManagedProcess, str]:
+                  launcher: Sequence[str] = ()) -> tuple[ManagedProcess, str]:
     """Start `python -m service.cli serve` with these settings on a free loopback port; wait for /readyz and for
-    the CLI's ready line (every engine replica up).
+    the CLI's ready line (every engine replica up). `launcher` goes before the command (it must exec it in its
+    place, as `loadtest.neighbours` does).
 
     Returns (process, base URL). Stopping the process (SIGTERM) drains and shuts its Ray cluster down."""
     return _start_with_port_retries(
-        lambda p: _start_service(settings, log_path, p, ready_timeout_s, extra_env), port)
+        lambda p: _start_service(settings, log_path, p, ready_timeout_s, extra_env, launcher=launcher), port)
 
 
 def start_direct(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
@@ -257,7 +258,8 @@ def start_direct(settings: Mapping[str, Any], *, log_path: Path, port: int | Non
 
 
 def _start_service(settings: Mapping[str, Any], log_path: Path, port: int, ready_timeout_s: float,
-                   extra_env: Mapping[str, str] | None, direct: bool = False) -> tuple[ManagedProcess, str]:
+                   extra_env: Mapping[str, str] | None, direct: bool = False, launcher: Sequence[str] = (),
+                   ) -> tuple[ManagedProcess, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
     env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
@@ -265,8 +267,8 @@ def _start_service(settings: Mapping[str, Any], log_path: Path, port: int, ready
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     from service.cli import READY_MARKER
 
-    cmd = ([sys.executable, "-m", "loadtest.direct_server", "--port", str(port)] if direct
-           else [sys.executable, "-m", "service.cli", "serve"])
+    cmd = [*launcher, *([sys.executable, "-m", "loadtest.direct_server", "--port", str(port)] if direct
+                        else [sys.executable, "-m", "service.cli", "serve"])]
     proc = ManagedProcess("direct" if direct else "ocr-serve", cmd, log_path=log_path, env=env)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()

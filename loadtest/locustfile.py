@@ -23,7 +23,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from locust import HttpUser, constant, task
+import gevent
+from locust import HttpUser, constant, events, stats, task
 
 # `locust -f loadtest/locustfile.py` puts loadtest/ on sys.path, not the repository root that holds the package
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -47,6 +48,15 @@ def _bodies(host: str) -> dict[Job, list[tuple[str, bytes]]]:
         name = f"/v1/ocr [{job.kind} {target.task_override or job.task}]"
         out[job] = [(name, target.body(job, doc)) for doc in make_documents(job.kind, docs, chars=chars)]
     return out
+
+
+@events.test_stop.add_listener
+def _let_the_csv_writer_see_the_last_answers(environment, **_kwargs) -> None:
+    """Locust rewrites its `--csv` files once a second and not again on the way out, so answers that arrive during
+    `--stop-timeout` (every request in flight at `--run-time`: OCR requests last seconds) reached the printed summary
+    but not the CSV. test_stop fires once every user has stopped; one more writer tick puts them in."""
+    if getattr(environment.parsed_options, "csv_prefix", None):
+        gevent.sleep(stats.CSV_STATS_INTERVAL_SEC + 0.25)
 
 
 class OCRUser(HttpUser):

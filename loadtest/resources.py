@@ -108,6 +108,16 @@ def process_kind(pid: int) -> str:
     return first[:60]
 
 
+def niceness(pid: int) -> int | None:
+    """The process's nice value (field 19 of /proc/PID/stat); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # from field 3 (state) on: `comm` may hold spaces
+    except (OSError, IndexError):
+        return None
+    return int(fields[16])
+
+
 def cpu_snapshot(roots: list[int]) -> CpuSnapshot:
     """CPU time of the root processes and all their descendants, now."""
     parents: dict[int, int] = {}

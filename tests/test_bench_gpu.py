@@ -527,6 +527,18 @@ def _record_service_runs(monkeypatch, bench):
     return started, sweeps
 
 
+def test_the_service_runs_its_ray_workers_at_nice_15_as_the_chart_does(tmp_path, monkeypatch):
+    """`ocr-serve serve` runs Ray's workers at its own priority; the chart's pods keep Ray's nice 15, and so does
+    the service bench gpu measures (every GPU table was taken so); a variant can still ask for another."""
+    variant = [bench_gpu._variant_arg("n0:env:RAY_worker_niceness=0")]
+    bench = _bench(tmp_path, docs=1, kit_dir=tmp_path / "kit", id_levels="1", variant=variant, sweep_labelled=True)
+    bench.prepare()
+    started, _ = _record_service_runs(monkeypatch, bench)
+    for part in ("service", "service@n0"):
+        bench.part_service(part, ["service", "service@n0"])
+    assert [env.get("RAY_worker_niceness") for _, env in started] == ["15", "0"]
+
+
 def test_lora_gives_our_servers_slots_and_sweeps_them_again_naming_the_adapter(tmp_path, monkeypatch):
     """`--lora`: the run writes one seeded adapter next to the kit; our service starts with LoRA slots holding it
     and is swept twice, plainly and as service@adapter with every request naming it; raw vLLM starts without
@@ -681,7 +693,7 @@ def test_direct_server_runs_our_api_around_a_real_engine_in_one_process_without_
     CLI's ready line, real OCR, SIGTERM stops it and everything it started."""
     import httpx
 
-    from loadtest.common import _session_members, start_direct
+    from loadtest.common import session_members, start_direct
     from loadtest.resources import process_kind
     from service.cli import READY_MARKER
     from tests.fixtures.documents import normalise_text, render_document
@@ -696,12 +708,12 @@ def test_direct_server_runs_our_api_around_a_real_engine_in_one_process_without_
         assert normalise_text(resp.json()["text"]) == normalise_text("".join(line.text for line in doc.lines))
         bad = httpx.post(url + "/v1/ocr", json={"image": "not base64!", "task": "text"}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_base64"
-        kinds = [process_kind(pid) for pid in [proc.pid, *_session_members(proc.pid)]]
+        kinds = [process_kind(pid) for pid in [proc.pid, *session_members(proc.pid)]]
         assert not [k for k in kinds if "ray" in k.lower() or "gcs_server" in k], kinds
         assert process_kind(proc.pid).endswith("loadtest.direct_server")
     finally:
         proc.stop(timeout_s=30)
-    assert not proc.alive() and not _session_members(proc.pid)
+    assert not proc.alive() and not session_members(proc.pid)
 
 
 def test_a_run_over_its_budget_refuses_before_starting_anything(monkeypatch, tmp_path, capsys):

@@ -130,6 +130,52 @@ def test_locust_file_runs_headless(embedded_url, tmp_path):
     assert int(total["Request Count"]) >= 1 and int(total["Failure Count"]) == 0
 
 
+def test_locust_csv_counts_answers_that_arrive_during_the_stop_timeout(tmp_path):
+    """Every request in flight at `--run-time` ends during `--stop-timeout`; Locust printed those answers but left
+    them out of its CSV (CI once found an empty CSV after a 20 s run whose single request took longer). A stand-in
+    server answers each OCR request after 4 s; a 2 s run must still count its answer in the CSV."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class SlowOCR(BaseHTTPRequestHandler):
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # /readyz: the embedded engine, so the locustfile asks for `text`
+            self._answer(b'{"status": "ready", "engine": "embedded"}')
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            time.sleep(4.0)
+            self._answer(b'{"lines": []}')
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowOCR)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "OCR_LOADTEST_WORKLOAD": "id_card", "OCR_LOADTEST_DOCS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"),
+             "--host", f"http://127.0.0.1:{server.server_port}", "--headless", "-u", "1", "-r", "1", "-t", "2s",
+             "--stop-timeout", "30", "--csv", str(tmp_path / "locust"), "--only-summary"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with (tmp_path / "locust_stats.csv").open() as fh:
+        rows = {row["Name"]: row for row in csv.DictReader(fh)}
+    assert int(rows["Aggregated"]["Request Count"]) == 1, rows
+    assert int(rows["/v1/ocr [id_card text]"]["Failure Count"]) == 0
+
+
 def test_serve_mode_benchmark_runs_both_modes(tmp_path):
     """`bench cpu --parts serve_mode` starts the real `ocr-serve serve` once in Ray Serve's standard mode and once
     in its throughput-optimized mode (opt-in) and answers through both; no timing assertions."""
@@ -149,6 +195,34 @@ def test_serve_mode_benchmark_runs_both_modes(tmp_path):
 
 
 @pytest.mark.own_engines
+def test_busy_benchmark_runs_the_embedded_service_at_both_worker_priorities(tmp_path):
+    """`bench cpu --parts busy` starts the embedded service with Ray's worker priority (nice 15) and with ours (the
+    starting command's), times ID cards on a quiet machine and beside a spinning neighbour in the service's
+    session, and reads the engine replica's nice value; the neighbour leaves with the service. No timing
+    assertions."""
+    from loadtest import bench_cpu
+
+    out = tmp_path / "cpu"
+    assert bench_cpu.main(["--parts", "busy", "--docs", "1", "--block-s", "1", "--busy", "1",
+                           "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())["busy"]
+    assert result["ray_default"]["engine_replica_niceness"] == [15]
+    assert result["ours"]["engine_replica_niceness"] == [os.getpriority(os.PRIO_PROCESS, 0)]
+    for name in ("ray_default", "ours"):
+        assert result[name]["quiet_ms"] > 0 and result[name]["busy_ms"] > 0 and min(result[name]["n"]) >= 1
+    assert "| ours | 0 |" in (out / "report.md").read_text()
+    switch_dir = str(out)
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and switch_dir in _cmdline(int(pid))]
+    assert not left, [_cmdline(int(pid)) for pid in left]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def test_png_check_http_proxy_topology_and_stop_benchmarks_run_both_settings(tmp_path):
     """`bench cpu --parts png_check,http_proxy,topology,stop` starts the real service with a passed-on PNG's pixels
     decoded by the engine only and by the ingress too (`OCR_PNG_PIXEL_CHECK`), then behind Serve's proxy actor and
@@ -203,7 +277,7 @@ def test_a_terminated_benchmark_stops_the_service_it_started(tmp_path):
     import sys
     import time
 
-    from loadtest.common import _session_members
+    from loadtest.common import session_members
     from tests.fixtures.reliability import wait_for
 
     bench = subprocess.Popen([sys.executable, "-m", "loadtest", "bench", "cpu", "--parts", "overhead",
@@ -222,12 +296,12 @@ def test_a_terminated_benchmark_stops_the_service_it_started(tmp_path):
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(120) == 128 + signal.SIGTERM
         time.sleep(1)
-        left = [pid for sid in services for pid in _session_members(sid)]
+        left = [pid for sid in services for pid in session_members(sid)]
         assert not left, f"processes of the benchmark's service outlived it: {left}"
     finally:
         if bench.poll() is None:
             os.killpg(bench.pid, signal.SIGKILL)
-        for pid in [pid for sid in services for pid in _session_members(sid)]:  # a failed run's leftovers
+        for pid in [pid for sid in services for pid in session_members(sid)]:  # a failed run's leftovers
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.common import _session_members, listening_ports, port_holder, start_service
+from loadtest.common import listening_ports, port_holder, session_members, start_service
 from tests.fixtures.reliability import wait_for
 
 pytestmark = pytest.mark.ray
@@ -30,7 +30,7 @@ def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwis
                               log_path=tmp_path / "serve.log", ready_timeout_s=180,
                               extra_env={"RAY_SERVE_THROUGHPUT_OPTIMIZED": env} if env is not None else None)
     try:
-        ports = listening_ports([proc.pid, *_session_members(proc.pid)])
+        ports = listening_ports([proc.pid, *session_members(proc.pid)])
         direct = sorted(p for p in ports if p in DIRECT_INGRESS_PORTS)
         assert bool(direct) == direct_ingress, (sorted(ports), proc.tail())
         for port in direct:  # the ingress replica's own HTTP server serves the API, on loopback as the proxy does
@@ -97,6 +97,23 @@ def test_start_ray_warns_when_this_process_read_another_serve_mode(monkeypatch, 
     assert "Serve mode differs" in caplog.text
 
 
+def test_replicas_run_at_the_priority_of_the_process_that_started_ray(embedded_url):
+    """Ray starts its worker processes at nice 15; start_ray() has them run at the priority of the process that
+    started Ray (WORKER_PRIORITY_ENV). Beside busy processes of its own session, an embedded replica at 15 took
+    70x its quiet time for an ID card, at 0 3.8x (`bench cpu --parts busy`). This session's Ray and its replicas
+    are this process's descendants."""
+    import os
+
+    import psutil
+
+    from loadtest.resources import niceness, process_kind
+
+    replicas = {process_kind(child.pid): niceness(child.pid) for child in psutil.Process().children(recursive=True)
+                if process_kind(child.pid).startswith("ray::ServeReplica:ocr:")}
+    assert "ray::ServeReplica:ocr:OCREngine" in replicas, replicas
+    assert set(replicas.values()) == {os.getpriority(os.PRIO_PROCESS, 0)}, replicas
+
+
 def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypatch):
     """RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in for `ocr-serve serve`, the chart's default; docs/DEPLOY.md): the service
     port belongs to an haproxy process, not to Serve's proxy actor, and through it a real page gets its OCR (a body
@@ -114,7 +131,7 @@ def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypa
         assert port_holder(proc, port) == "haproxy"  # what bench gpu records as the service's front end
 
         def haproxy_ports_with_the_service_port() -> dict[int, str] | None:
-            members = [proc.pid, *_session_members(proc.pid)]
+            members = [proc.pid, *session_members(proc.pid)]
             ports = listening_ports([pid for pid in members if process_kind(pid).endswith("haproxy")])
             return ports if port in ports else None
 

@@ -125,7 +125,7 @@ def test_colocated_serves_the_whole_api_behind_haproxy_with_no_engine_deployment
     """`ocr-serve serve` with OCR_SERVE_TOPOLOGY=colocated and HAProxy (the chart's front end): HAProxy holds the
     port, one deployment runs, and through it a page gets its OCR, a stream its events, bad input its stable 4xx,
     an unknown adapter its 404, /readyz the engine's health; SIGTERM drains and stops it."""
-    from loadtest.common import _session_members, port_holder, start_service
+    from loadtest.common import port_holder, session_members, start_service
     from loadtest.documents import make_documents
     from loadtest.resources import process_kind
 
@@ -136,7 +136,7 @@ def test_colocated_serves_the_whole_api_behind_haproxy_with_no_engine_deployment
                               extra_env={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
     try:
         assert port_holder(proc, int(url.rsplit(":", 1)[1])) == "haproxy"
-        replicas = sorted(kind for kind in map(process_kind, _session_members(proc.pid))
+        replicas = sorted(kind for kind in map(process_kind, session_members(proc.pid))
                           if kind.startswith("ray::ServeReplica"))
         assert replicas == [f"ray::ServeReplica:ocr:{COLOCATED_DEPLOYMENT}"], replicas
         body = {"image": make_documents("id_card", 1)[0].data_url(), "task": "text"}

@@ -43,6 +43,14 @@ SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRE
 # 503, and its stats page and Prometheus exporter listen on every interface. Those bind fixed ports (8404, 9101);
 # here each gets a free port unless the environment names one, so two services on one machine do not collide.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# Ray starts its worker processes (our replicas, and the vLLM EngineCore a replica starts) at nice 15, so that its
+# own daemons stay responsive on a busy node. Linux ranks by nice value within a session (autogroup; machine-wide
+# without it), so beside busy processes of the same session, such as a CI job's or a container's other work, a
+# replica got about 1/28 of their CPU each: an ID card that took 0.47 s on a quiet machine took 33 s beside four
+# busy loops on two CPUs, 70x (1.6 s, 3.8x, at nice 0; `bench cpu --parts busy`, docs/BENCHMARKS.md). Here the
+# service runs at the priority of the command that started it; RAY_worker_niceness in the environment still wins.
+# Kubernetes pods (the Helm chart) keep Ray's 15: there the neighbours are Ray's own processes.
+WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 
 def _free_port() -> int:
@@ -55,7 +63,7 @@ def _free_port() -> int:
 
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None) -> None:
-    for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV}.items():
+    for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV, **WORKER_PRIORITY_ENV}.items():
         os.environ.setdefault(key, value)
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         for key in HAPROXY_PORT_ENV:
