@@ -194,7 +194,6 @@ def test_serve_mode_benchmark_runs_both_modes(tmp_path):
     assert "| id_card_1000x630 | throughput_optimized |" in (out / "report.md").read_text()
 
 
-@pytest.mark.own_engines
 def test_busy_benchmark_runs_the_embedded_service_at_both_worker_priorities(tmp_path):
     """`bench cpu --parts busy` starts the embedded service with Ray's worker priority (nice 15) and with ours (the
     starting command's), times ID cards on a quiet machine and beside a spinning neighbour in the service's
@@ -223,6 +222,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.mark.own_engines
 def test_png_check_http_proxy_topology_and_stop_benchmarks_run_both_settings(tmp_path):
     """`bench cpu --parts png_check,http_proxy,topology,stop` starts the real service with a passed-on PNG's pixels
     decoded by the engine only and by the ingress too (`OCR_PNG_PIXEL_CHECK`), then behind Serve's proxy actor and
