@@ -215,6 +215,54 @@ def test_busy_benchmark_runs_the_embedded_service_at_both_worker_priorities(tmp_
     assert not left, [_cmdline(int(pid)) for pid in left]
 
 
+def test_neighbours_spin_only_while_switched_on_and_leave_with_the_command(tmp_path):
+    """`loadtest.neighbours` (the busy part's neighbours): its children sleep while the switch file is absent, burn
+    CPU while it exists, sleep again once it is removed, and exit when the command they were started beside is
+    gone. CPU time read from /proc; the bounds leave room for a loaded machine (a spinning child on two CPUs gets
+    far more than 0.2 s of 1.5 s, a sleeping one far less than 0.15 s)."""
+    import signal
+    import time
+
+    import psutil
+
+    switch = tmp_path / "on"
+    leader = subprocess.Popen([sys.executable, "-m", "loadtest.neighbours", "--count", "2", "--switch", str(switch),
+                               "--", sys.executable, "-c", "import time; time.sleep(120)"],
+                              cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(children := psutil.Process(leader.pid).children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(children) == 2, children
+        assert _cmdline(leader.pid).strip().endswith("time.sleep(120)")  # the leader became the command (exec)
+
+        def cpu_s_over(seconds: float) -> list[float]:
+            before = [sum(child.cpu_times()[:2]) for child in children]
+            time.sleep(seconds)
+            return [sum(child.cpu_times()[:2]) - b for child, b in zip(children, before)]
+
+        time.sleep(0.5)  # past the interpreter's start-up
+        assert max(cpu_s_over(1.5)) < 0.15  # off: sleeping
+        switch.touch()
+        assert min(cpu_s_over(1.5)) > 0.2  # on: spinning
+        switch.unlink()
+        time.sleep(0.5)  # the spin slice in progress ends
+        assert max(cpu_s_over(1.5)) < 0.15  # off again
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(10)
+        deadline = time.monotonic() + 10
+        while any(child.is_running() and child.status() != psutil.STATUS_ZOMBIE for child in children) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        switch.unlink(missing_ok=True)
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
