@@ -155,8 +155,9 @@ class Settings(BaseSettings):
         "inside it, under the GIL the token stream needs too. On the H200 (docs/BENCHMARKS.md, thirtieth session) 4 "
         "per engine took the replicas' CPU from 118-267 % to 50-85 % and served 0.96-1.19x the ID cards/s with two "
         "engines per GPU, but 0.76-0.99x with one engine and 0.92-0.93x for A4 pages (each process renders one page "
-        "at a time). They start while vLLM's engine starts (started after it, they had made the service ready 23-61 s "
-        "later) and use CPU outside the replica's Ray CPUs."
+        "at a time); 8 with one engine served 1.02-1.29x the ID cards/s and 0.94-0.99x the A4 pages/s (thirty-fourth "
+        "and thirty-seventh sessions). They start while vLLM's engine starts (started after it, they had made the "
+        "service ready 23-61 s later) and use CPU outside the replica's Ray CPUs."
     )
     engine_torch_threads: int = Field(
         1, ge=0, le=256, description="PyTorch CPU threads of each vLLM EngineCore process (its `OMP_NUM_THREADS`). "
