@@ -34,7 +34,7 @@
     a CI job's or a container's other work runs: once with Ray's workers at nice 15 (Ray's default) and once at the
     priority of the command that started the service (`ocr-serve serve`'s, `WORKER_PRIORITY_ENV`). Linux puts a
     session's processes in one scheduling group (autogroup), inside which nice values rank them; the part also
-    reads the engine replica's nice value from /proc.
+    reads the engine replica's nice value.
 
     python -m loadtest bench cpu --out results/cpu
 """

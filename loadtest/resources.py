@@ -109,13 +109,11 @@ def process_kind(pid: int) -> str:
 
 
 def niceness(pid: int) -> int | None:
-    """The process's nice value (field 19 of /proc/PID/stat); None once it is gone."""
+    """The process's nice value; None once it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()  # from field 3 (state) on: `comm` may hold spaces
-    except (OSError, IndexError):
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
         return None
-    return int(fields[16])
 
 
 def cpu_snapshot(roots: list[int]) -> CpuSnapshot:
