@@ -18,6 +18,10 @@ docs/BENCHMARKS.md, thirty-first session). Each backend is timed on one attentio
 (the sizes of one ID card, four ID cards in one call, one A4 page) and on the whole batched tower, and checked
 against FlashAttention's output. The switch is in place on the loaded model (the attribute vLLM reads per call), so
 all backends run on the same weights in one process.
+
+`--compile` times the batched tower with each block's dense part under torch.compile (`compiled_tower_forward`):
+vLLM 0.26's `compile_mm_encoder` and encoder CUDA graphs do not cover HunyuanOCR's tower, so this measures what
+compiling it would gain before anyone builds it into the engine. Each mode is checked against eager's output.
 """
 
 from __future__ import annotations
@@ -169,6 +173,156 @@ def measure_tower_backends(visual, backends: list[str], repeats: int) -> list[di
     return rows
 
 
+# torch.compile modes `--compile` may time (`default` is inductor's; the other autotunes its GEMM templates)
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def gelu_approximation(act_fn) -> str:
+    """F.gelu's `approximate` for a tower's activation module: vLLM's GELU (exact) or GELUTanh, or torch's GELU."""
+    import torch
+
+    if isinstance(act_fn, torch.nn.GELU):
+        return act_fn.approximate
+    name = type(act_fn).__name__
+    if name in ("GELU", "GELUTanh"):
+        return "none" if name == "GELU" else "tanh"
+    raise ValueError(f"the tower's activation {name} is not a GELU; the compiled blocks only know GELU")
+
+
+def compiled_tower_forward(visual, mode: str = "default", backend: str = "inductor"):
+    """The batched tower (our plugin's forward) with each block's dense part under torch.compile: what vLLM 0.26's
+    `compile_mm_encoder` would do, which its HunyuanOCR tower does not support (no `support_torch_compile` on it,
+    nor encoder CUDA graphs). Per block, two compiled functions fuse what lies between the GEMMs (LayerNorm,
+    residual adds, GELU): norm → qkv, and o_proj + residual → norm → MLP + residual; the attention call between them
+    stays vLLM's (FlashAttention 3 on the H200). Both functions take the weights as arguments, so one compiled graph
+    serves all 27 layers; the patch count is marked dynamic, so every page size reuses it."""
+    import torch
+    import torch.nn.functional as F
+
+    layers = list(visual.layers)
+    approximate = gelu_approximation(layers[0].mlp.act_fn)
+    eps = {float(n.eps) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    if len(eps) != 1:
+        raise ValueError(f"the tower's layer norms differ in eps ({sorted(eps)}); one compiled graph needs one")
+    eps_value = eps.pop()
+
+    def norm_then_qkv(hidden, norm_w, norm_b, qkv_w, qkv_b):
+        return F.linear(F.layer_norm(hidden, (hidden.shape[-1],), norm_w, norm_b, eps_value), qkv_w, qkv_b)
+
+    def rest_of_block(hidden, attn_out, o_w, o_b, norm_w, norm_b, up_w, up_b, down_w, down_b):
+        hidden = hidden + F.linear(attn_out, o_w, o_b)
+        up = F.linear(F.layer_norm(hidden, (hidden.shape[-1],), norm_w, norm_b, eps_value), up_w, up_b)
+        return hidden + F.linear(F.gelu(up, approximate=approximate), down_w, down_b)
+
+    options = {} if mode == "default" else {"mode": mode}
+    first = torch.compile(norm_then_qkv, backend=backend, **options)
+    rest = torch.compile(rest_of_block, backend=backend, **options)
+
+    def forward(x, grid_thw):
+        hidden = visual.embeddings(x.to(device=visual.device, dtype=visual.dtype), grid_thw)
+        lengths = [int(h) * int(w) for _, h, w in grid_thw]
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(
+            visual.device, non_blocking=True)
+        max_seqlen = torch.tensor(max(lengths), dtype=torch.int32)
+        hidden = hidden.reshape(1, sum(lengths), -1)
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            torch._dynamo.mark_dynamic(hidden, 1)
+            qkv = first(hidden, norm1.weight, norm1.bias, attn.qkv.weight, attn.qkv.bias)
+            q, k, v = qkv.chunk(3, dim=-1)
+            out = attn.attn(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+            torch._dynamo.mark_dynamic(out, 1)
+            hidden = rest(hidden, out, attn.o_proj.weight, attn.o_proj.bias, norm2.weight, norm2.bias,
+                          mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias, mlp.dense_4h_to_h.weight,
+                          mlp.dense_4h_to_h.bias)
+        return [visual.perceive(part.contiguous(), size=grid[1:]).squeeze(0)
+                for part, grid in zip(hidden.split(lengths, dim=1), grid_thw)]
+
+    return forward
+
+
+def measure_tower_compiled(visual, modes: list[str], repeats: int, backend: str = "inductor",
+                           grids: dict[str, tuple[int, int, int]] | None = None,
+                           cases: tuple[tuple[str, int], ...] = ATTENTION_CASES,
+                           patch_dim: int = 768) -> list[dict[str, Any]]:
+    """The batched tower eager, then with each torch.compile mode (compiled_tower_forward), per case (document,
+    images in one call). Each mode starts from a reset dynamo cache and records its first call (the compile) as
+    `first_call_s`; `max_abs_diff` compares the merged embeddings with eager's. A mode that fails is recorded.
+    `patch_dim`: a patch's pixel values (3·16·16 for HunyuanOCR)."""
+    import torch
+
+    from service.engine.vllm_plugin import batched_vision_forward
+
+    grids = grids or GRIDS
+    inputs = {(kind, n): ([list(grids[kind])] * n,
+                          torch.randn(n * grids[kind][1] * grids[kind][2], patch_dim, device=visual.device,
+                                      dtype=torch.float32,
+                                      generator=torch.Generator(device=visual.device).manual_seed(n)))
+              for kind, n in cases}
+    rows: list[dict[str, Any]] = []
+    eager: dict[tuple[str, int], tuple[float, list]] = {}
+    with torch.inference_mode():
+        for (kind, n), (g, x) in inputs.items():
+            ms = timed_ms(lambda: batched_vision_forward(visual, x, g), repeats, visual.device)
+            eager[(kind, n)] = (ms, [o.float() for o in batched_vision_forward(visual, x, g)])
+            rows.append({"case": kind, "images": n, "variant": "eager", "ms": round(ms, 2),
+                         "ms_per_image": round(ms / n, 2)})
+            print(rows[-1], flush=True)
+        for mode in modes:
+            torch._dynamo.reset()
+            try:
+                forward = compiled_tower_forward(visual, mode, backend)
+            except Exception as exc:
+                rows.append({"variant": f"compile:{mode}", "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                print(rows[-1], flush=True)
+                continue
+            for (kind, n), (g, x) in inputs.items():
+                row: dict[str, Any] = {"case": kind, "images": n, "variant": f"compile:{mode}"}
+                try:
+                    started = time.perf_counter()
+                    out = [o.float() for o in forward(x, g)]
+                    if visual.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    row["first_call_s"] = round(time.perf_counter() - started, 2)
+                    ms = timed_ms(lambda: forward(x, g), repeats, visual.device)
+                except Exception as exc:  # a mode this machine cannot compile: recorded, the others still run
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                else:
+                    eager_ms, reference = eager[(kind, n)]
+                    row.update(ms=round(ms, 2), ms_per_image=round(ms / n, 2),
+                               vs_eager=round(ms / eager_ms, 3),
+                               max_abs_diff=max(float((a - b).abs().max()) for a, b in zip(out, reference)))
+                rows.append(row)
+                print(row, flush=True)
+    return rows
+
+
+def compile_report(rows: list[dict[str, Any]]) -> str:
+    """A markdown table of measure_tower_compiled's rows: ms per call (× eager; first call s; max |Δ|)."""
+    cases = list(dict.fromkeys((r["case"], r["images"]) for r in rows if "case" in r))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    lines = ["**The batched tower, eager and with its blocks under torch.compile**, ms per call (× eager; the "
+             "first call's s, compile included; max |Δ| against eager)", "",
+             "| variant | " + " | ".join(f"{c} ×{n}" for c, n in cases) + " |", "|---|" + "---:|" * len(cases)]
+    for variant in variants:
+        cells = []
+        for c, n in cases:
+            row = next((r for r in rows if r["variant"] == variant and r.get("case") == c and r.get("images") == n),
+                       None)
+            if row is None or "error" in row:
+                cells.append("error")
+            elif variant == "eager":
+                cells.append(f"{row['ms']:g}")
+            else:
+                cells.append(f"{row['ms']:g} ({row['vs_eager']:.3f}×; {row['first_call_s']:g} s; "
+                             f"Δ {row['max_abs_diff']:.2g})")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    errors = [f"- {r['variant']}{' (' + r['case'] + ' ×' + str(r['images']) + ')' if 'case' in r else ''}: "
+              f"{r['error']}" for r in rows if "error" in r]
+    return "\n".join(lines + (["", *errors] if errors else []) + [""])
+
+
 def attention_report(result: dict[str, Any]) -> str:
     """Markdown tables of the attention backends: one call, and the whole tower (ms; ratio to the first)."""
     lines: list[str] = []
@@ -201,7 +355,7 @@ def attention_report(result: dict[str, Any]) -> str:
 
 
 def measure(model, vit_tflop: dict[str, float], repeats: int, attn_backends: list[str],
-            loop: bool = True) -> dict[str, Any]:
+            loop: bool = True, compile_modes: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from service.engine.vllm_plugin import batched_vision_forward
@@ -218,6 +372,22 @@ def measure(model, vit_tflop: dict[str, float], repeats: int, attn_backends: lis
         out["attention_backends"] = measure_attention(modules[0], cases, attn_backends, repeats * 4, visual.device,
                                                       visual.dtype)
         out["tower_backends"] = measure_tower_backends(visual, attn_backends, repeats)
+    if compile_modes:
+        out["tower_compiled"] = measure_tower_compiled(visual, compile_modes, repeats)
+        try:  # what the first mode's kernels are for one A4 page (the fusions it made)
+            torch._dynamo.reset()
+            forward = compiled_tower_forward(visual, compile_modes[0])
+            x = torch.randn(GRIDS["a4"][1] * GRIDS["a4"][2], 768, device=visual.device, dtype=torch.float32)
+            with torch.inference_mode():
+                forward(x, [list(GRIDS["a4"])])
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                        torch.profiler.ProfilerActivity.CPU]) as prof:
+                    forward(x, [list(GRIDS["a4"])])
+                    torch.cuda.synchronize()
+            out["compiled_a4_top_kernels"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
+                                                                       max_name_column_width=70)
+        except Exception as exc:
+            out.setdefault("errors", []).append(f"compiled kernel table: {type(exc).__name__}: {exc}")
     if not loop:
         return out
 
@@ -263,16 +433,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn-backends", default="", help="comma-separated encoder attention backends to time, first "
                    f"the reference (e.g. {','.join(ATTENTION_BACKENDS)}; `all` for these); default none")
     p.add_argument("--no-loop", action="store_true", help="skip the per-image loop against the batched pass and "
-                   "the kernel table (only the attention backends)")
+                   "the kernel table (only the attention backends and compile modes)")
+    p.add_argument("--compile", default="", help="comma-separated torch.compile modes to time the tower's blocks "
+                   f"with, against eager ({', '.join(COMPILE_MODES)}; `all` for these); default none")
     args = p.parse_args(argv)
+    compile_modes = list(COMPILE_MODES) if args.compile == "all" else \
+        [m.strip() for m in args.compile.split(",") if m.strip()]
+    for m in compile_modes:
+        if m not in COMPILE_MODES:
+            p.error(f"unknown compile mode {m!r} (known: {', '.join(COMPILE_MODES)})")
     backends = list(ATTENTION_BACKENDS) if args.attn_backends == "all" else \
         [b.strip() for b in args.attn_backends.split(",") if b.strip()]
     for b in backends:
         name, _, kernel = b.partition(":")
         if name not in {x.split(":")[0] for x in ATTENTION_BACKENDS} or (kernel and name != "TORCH_SDPA"):
             p.error(f"unknown attention backend {b!r} (known: {', '.join(ATTENTION_BACKENDS)})")
-    if args.no_loop and not backends:
-        p.error("--no-loop leaves nothing to measure without --attn-backends")
+    if args.no_loop and not backends and not compile_modes:
+        p.error("--no-loop leaves nothing to measure without --attn-backends or --compile")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model lives in this process: apply_model
 
     from service.modelkit import write_kit
@@ -289,15 +466,20 @@ def main(argv: list[str] | None = None) -> int:
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
               mm_processor_cache_gb=0, limit_mm_per_prompt={"image": 1})
     load_s = time.perf_counter() - started
-    result = llm.apply_model(lambda model: measure(model, vit, args.repeats, backends, loop=not args.no_loop))[0]
+    result = llm.apply_model(lambda model: measure(model, vit, args.repeats, backends, loop=not args.no_loop,
+                                                   compile_modes=compile_modes))[0]
     result.update(load_s=round(load_s, 1), vit_tflop_per_image=vit)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "encoder.json").write_text(json.dumps(result, indent=2))
     if backends:
         (args.out / "attention.md").write_text(attention_report(result))
         print(attention_report(result), flush=True)
-    if "a4_top_kernels" in result:
-        print(result["a4_top_kernels"], flush=True)
+    if compile_modes:
+        (args.out / "compile.md").write_text(compile_report(result.get("tower_compiled", [])))
+        print(compile_report(result.get("tower_compiled", [])), flush=True)
+    for key in ("a4_top_kernels", "compiled_a4_top_kernels"):
+        if key in result:
+            print(result[key], flush=True)
     return 0
 
 

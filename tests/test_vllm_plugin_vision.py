@@ -1,112 +1,18 @@
 """Fix 4 of our vLLM plugin: HunyuanOCR's vision tower in one pass per layer for all images of a step.
 
 vLLM's native HunyuanOCR model exists only in GPU builds, so this runs the replacement forward on a small tower of
-the same layout (pre-norm blocks of qkv → attention → o_proj and an MLP, a patch embedding, a per-image merger) and
-compares it with vLLM 0.26's algorithm, a loop over the images in every layer. The H200 run checked the real
-tower (max |Δ| 0, `python -m loadtest bench encoder`)."""
+the same layout (tests/fixtures/hunyuan_tower.py) and compares it with vLLM 0.26's algorithm, a loop over the
+images in every layer. The H200 run checked the real tower (max |Δ| 0, `python -m loadtest bench encoder`)."""
 
 from __future__ import annotations
 
 import pytest
 
 torch = pytest.importorskip("torch")
-nn = torch.nn
-F = torch.nn.functional
 
 from service.engine import vllm_plugin  # noqa: E402
+from tests.fixtures.hunyuan_tower import Tower  # noqa: E402
 from tests.fixtures.vllm import fake_native_hunyuan  # noqa: E402
-
-DIM, HEADS = 24, 3
-
-
-class ParallelLinear(nn.Linear):
-    """vLLM's parallel linear layers return (output, bias)."""
-
-    def forward(self, x):
-        return super().forward(x), None
-
-
-class EncoderAttention(nn.Module):
-    """MMEncoderAttention's contract: (1, T, H·D) in; attention within each cu_seqlens segment (all of T if None)."""
-
-    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
-        bounds = [0, q.shape[1]] if cu_seqlens is None else cu_seqlens.tolist()
-        outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            split = [t[:, start:end].reshape(1, end - start, HEADS, DIM // HEADS).transpose(1, 2) for t in (q, k, v)]
-            out = F.scaled_dot_product_attention(*split)
-            outs.append(out.transpose(1, 2).reshape(1, end - start, DIM))
-        return torch.cat(outs, dim=1)
-
-
-class SelfAttention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv, self.o_proj, self.attn = ParallelLinear(DIM, 3 * DIM), ParallelLinear(DIM, DIM), EncoderAttention()
-
-    def forward(self, x):  # vLLM 0.26's HunYuanVisionAttention.forward
-        qkv, _ = self.qkv(x)
-        q, k, v = qkv.chunk(3, dim=-1)
-        out, _ = self.o_proj(self.attn(q, k, v))
-        return out
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.self_attn = SelfAttention()
-        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
-
-    def forward(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Embeddings(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(12, DIM)
-
-    def forward(self, x, grid_thw):  # per-image position term, as the real tower interpolates one per image
-        pos = torch.cat([torch.full((int(h) * int(w), DIM), float(h) / 10) for _, h, w in grid_thw])
-        return (self.proj(x) + pos).unsqueeze(0)
-
-
-class Merger(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mlp = nn.Linear(DIM, 8)
-
-    def forward(self, x, size):  # one image (1, h·w, DIM) → its own token count depends on its grid
-        h, w = size
-        rows = self.mlp(x).reshape(int(h), int(w), 8).mean(dim=1)
-        return rows.unsqueeze(0)
-
-
-class Tower(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embeddings, self.perceive = Embeddings(), Merger()
-        self.layers = nn.ModuleList(Block() for _ in range(3))
-
-    @property
-    def dtype(self):
-        return torch.float32
-
-    @property
-    def device(self):
-        return torch.device("cpu")
-
-    def forward(self, x, grid_thw):
-        """vLLM 0.26's algorithm: every layer runs once per image."""
-        hidden = self.embeddings(x.to(dtype=self.dtype), grid_thw)
-        split_lengths = [int(h) * int(w) for _, h, w in grid_thw]
-        for layer in self.layers:
-            hidden = torch.cat([layer(p) for p in hidden.split(split_lengths, dim=1)], dim=1)
-        return [self.perceive(part.contiguous(), size=grid[1:]).squeeze(0)
-                for part, grid in zip(hidden.split(split_lengths, dim=1), grid_thw)]
-
 
 @pytest.mark.parametrize("grids", [[[1, 4, 6]], [[1, 4, 6], [1, 2, 8], [1, 6, 4]], [[1, 2, 2]] * 5])
 def test_batched_tower_equals_the_per_image_loop(grids):
