@@ -199,6 +199,8 @@ def compiled_tower_forward(visual, mode: str = "default", backend: str = "induct
     import torch
     import torch.nn.functional as F
 
+    from service.engine.vllm_plugin import batched_tower_input, merged_per_image
+
     layers = list(visual.layers)
     approximate = gelu_approximation(layers[0].mlp.act_fn)
     eps = {float(n.eps) for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
@@ -219,12 +221,7 @@ def compiled_tower_forward(visual, mode: str = "default", backend: str = "induct
     rest = torch.compile(rest_of_block, backend=backend, **options)
 
     def forward(x, grid_thw):
-        hidden = visual.embeddings(x.to(device=visual.device, dtype=visual.dtype), grid_thw)
-        lengths = [int(h) * int(w) for _, h, w in grid_thw]
-        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(
-            visual.device, non_blocking=True)
-        max_seqlen = torch.tensor(max(lengths), dtype=torch.int32)
-        hidden = hidden.reshape(1, sum(lengths), -1)
+        hidden, lengths, cu_seqlens, max_seqlen = batched_tower_input(visual, x, grid_thw)
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -236,8 +233,7 @@ def compiled_tower_forward(visual, mode: str = "default", backend: str = "induct
             hidden = rest(hidden, out, attn.o_proj.weight, attn.o_proj.bias, norm2.weight, norm2.bias,
                           mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias, mlp.dense_4h_to_h.weight,
                           mlp.dense_4h_to_h.bias)
-        return [visual.perceive(part.contiguous(), size=grid[1:]).squeeze(0)
-                for part, grid in zip(hidden.split(lengths, dim=1), grid_thw)]
+        return merged_per_image(visual, hidden, lengths, grid_thw)
 
     return forward
 

@@ -151,14 +151,7 @@ def _patch_hunyuan_image_split() -> None:
 def batched_vision_forward(self, x, grid_thw):
     """`HunYuanVisionTransformer.forward` with every image of the call in one pass per layer (fix 4). Same math as
     the per-image loop: linear layers and norms act per token, attention stays within each image (cu_seqlens)."""
-    import torch
-
-    hidden = self.embeddings(x.to(device=self.device, dtype=self.dtype), grid_thw)
-    lengths = [int(h) * int(w) for _, h, w in grid_thw]
-    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(
-        self.device, non_blocking=True)
-    max_seqlen = torch.tensor(max(lengths), dtype=torch.int32)
-    hidden = hidden.reshape(1, sum(lengths), -1)
+    hidden, lengths, cu_seqlens, max_seqlen = batched_tower_input(self, x, grid_thw)
     for layer in self.layers:
         attn = layer.self_attn
         qkv, _ = attn.qkv(layer.input_layernorm(hidden))
@@ -166,7 +159,25 @@ def batched_vision_forward(self, x, grid_thw):
         out, _ = attn.o_proj(attn.attn(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen))
         hidden = hidden + out
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return [self.perceive(part.contiguous(), size=grid[1:]).squeeze(0)
+    return merged_per_image(self, hidden, lengths, grid_thw)
+
+
+def batched_tower_input(tower, x, grid_thw):
+    """The patch embeddings of all images of a call as one sequence (1, Σ h·w, hidden), with the per-image lengths
+    and the cu_seqlens / max_seqlen that keep each layer's attention within its image."""
+    import torch
+
+    hidden = tower.embeddings(x.to(device=tower.device, dtype=tower.dtype), grid_thw)
+    lengths = [int(h) * int(w) for _, h, w in grid_thw]
+    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(
+        tower.device, non_blocking=True)
+    max_seqlen = torch.tensor(max(lengths), dtype=torch.int32)
+    return hidden.reshape(1, sum(lengths), -1), lengths, cu_seqlens, max_seqlen
+
+
+def merged_per_image(tower, hidden, lengths, grid_thw):
+    """The tower's output: each image's part of the sequence through the patch merger, one tensor per image."""
+    return [tower.perceive(part.contiguous(), size=grid[1:]).squeeze(0)
             for part, grid in zip(hidden.split(lengths, dim=1), grid_thw)]
 
 
