@@ -259,6 +259,9 @@ def measure_tower_compiled(visual, modes: list[str], repeats: int, backend: str 
     rows: list[dict[str, Any]] = []
     eager: dict[tuple[str, int], tuple[float, list]] = {}
     with torch.inference_mode():
+        # a fresh process's first calls set up cuBLAS and the attention kernels: every case once before any is timed
+        for g, x in inputs.values():
+            batched_vision_forward(visual, x, g)
         for (kind, n), (g, x) in inputs.items():
             ms = timed_ms(lambda: batched_vision_forward(visual, x, g), repeats, visual.device)
             eager[(kind, n)] = (ms, [o.float() for o in batched_vision_forward(visual, x, g)])
