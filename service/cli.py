@@ -157,7 +157,7 @@ def _optional_commands() -> list[Callable]:
     found = []
     for module, attr in [("service.modelkit", "add_cli"), ("service.parsing.cli", "add_cli"),
                          ("service.admission.keys", "add_cli"), ("service.ui", "add_cli"),
-                         ("service.metrics", "add_cli")]:
+                         ("service.metrics", "add_cli"), ("service.eval.cli", "add_cli")]:
         try:
             mod = __import__(module, fromlist=[attr])
         except ImportError:
