@@ -3,7 +3,8 @@
 manifest (validate the labelled set) → client (every document through the public HTTP API) → score (metrics per page
 and document) → report (summary.json, documents.csv/.jsonl, report.md, plots); `compare` pairs two runs of one
 manifest with a bootstrap; `importers` and `sample` write manifests. The package talks to the service only over
-HTTP and imports nothing else of `service`, so it measures whatever is deployed.
+HTTP, so it measures whatever is deployed; of the service's code it uses only the task table (`service.tasks`) and
+the jobs client's progress bar.
 """
 
 

@@ -86,7 +86,7 @@ def error_of(resp: httpx.Response) -> tuple[str, str]:
 
 class EvalClient:
     def __init__(self, url: str, *, api_key: str | None, timeout_s: float, retries: int, max_wait_s: float,
-                 concurrency: int):
+                 concurrency: int, transport: httpx.AsyncBaseTransport | None = None):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
@@ -94,7 +94,7 @@ class EvalClient:
         self.concurrency = concurrency
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s),
-                                         limits=httpx.Limits(max_connections=concurrency + 2))
+                                         limits=httpx.Limits(max_connections=concurrency + 2), transport=transport)
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -254,8 +254,14 @@ def _first(group: BaseExceptionGroup, kind: type) -> BaseException | None:
     return None
 
 
-def _reason(exc: Exception) -> str:
+def _reason(exc: BaseException) -> str:
+    """A short cause: "connection refused" when that is what lies under httpx's wrapping, else its message."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, ConnectionRefusedError) or "refused" in str(seen).lower():
+            return "connection refused"
+        seen = seen.__cause__ or seen.__context__
     text = str(exc) or type(exc).__name__
-    if "refused" in text.lower():
-        return "connection refused"
     return text.splitlines()[0][:200]

@@ -168,11 +168,14 @@ def render_compare(result: dict[str, Any]) -> str:
              "| metric | A | B | B − A | 95 % interval | verdict |", "|---|---|---|---|---|---|"]
     for name, r in result["metrics"].items():
         arrow = "↓" if r["better"] == "lower" else "↑"
-        ci = "–" if r["ci95"] is None else f"[{_signed(r['ci95'][0])}, {_signed(r['ci95'][1])}]"
-        lines.append(f"| {name} {arrow} | {_fmt(r['a'])} | {_fmt(r['b'])} | {_signed(r['difference'])} | {ci} | "
-                     f"{r['verdict']} |")
+        digits = 1 if name.endswith("_ms") else 4
+        ci = "–" if r["ci95"] is None else f"[{_signed(r['ci95'][0], digits)}, {_signed(r['ci95'][1], digits)}]"
+        lines.append(f"| {name} {arrow} | {_fmt(r['a'], digits)} | {_fmt(r['b'], digits)} | "
+                     f"{_signed(r['difference'], digits)} | {ci} | {r['verdict']} |")
     regressed = result["most_regressed"]
-    headline = next((name for name in HEADLINE if name in regressed), None)
+    # the first headline metric that regressed significantly, else the first with any regressed document
+    significant = [n for n in HEADLINE if n in regressed and result["metrics"].get(n, {}).get("verdict") == "regressed"]
+    headline = next(iter(significant), None) or next((name for name in HEADLINE if name in regressed), None)
     if headline:
         lines += ["", f"## Documents that regressed most ({headline})", "", f"| id | A | B | B − A |",
                   "|---|---|---|---|"]
@@ -195,8 +198,8 @@ def write_compare(out: Path, result: dict[str, Any]) -> list[Path]:
     return [json_path, md_path]
 
 
-def _signed(value: float | None) -> str:
-    return "–" if value is None else f"{value:+.4f}"
+def _signed(value: float | None, digits: int = 4) -> str:
+    return "–" if value is None else f"{value:+.{digits}f}"
 
 
 def _r(value: float | None) -> float | None:

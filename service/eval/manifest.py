@@ -116,11 +116,11 @@ def load_manifest(path: str | Path) -> Manifest:
 def _document(entry: Any, folder: Path, where: str, number: int) -> ManifestDocument:
     if not isinstance(entry, dict):
         raise ManifestError(f"{where}: a document must be a JSON object, not {_type(entry)}")
-    _no_unknown_keys(entry, DOCUMENT_KEYS, where, "document")
     doc_id = entry.get("id")
     if not isinstance(doc_id, str) or not doc_id.strip():
         raise ManifestError(f"{where}: \"id\" must be a non-empty string")
     where = f"{where}: document {doc_id!r}"
+    _no_unknown_keys(entry, DOCUMENT_KEYS, where, "document")
     image = entry.get("image")
     if not isinstance(image, str) or not image:
         raise ManifestError(f"{where}: \"image\" must be a path (relative to the manifest's folder)")
