@@ -162,4 +162,5 @@ def _clamped(box: Any, width: int, height: int) -> list[float] | None:
 
 
 def _num(value: float) -> float | int:
+    value = float(value)
     return int(value) if value.is_integer() else round(value, 2)
