@@ -197,3 +197,19 @@ def test_failed_document_has_no_metrics():
     truth = PageTruth(1, (100, 100), text="Hello")
     score = score_document(_doc([truth]), DocumentOutcome("d", error="503 overloaded: busy"), ScoreSettings("text"))
     assert score.error and score.metric("cer") is None and not math.isnan(score.retries)
+
+
+def test_worked_example_of_docs_eval_md():
+    truth = PageTruth(1, (300, 300), lines=[TruthLine("TOTAL 6.00", (10, 10, 110, 30)),
+                                            TruthLine("Coffee", (10, 40, 70, 60))])
+    result = {"text": "TOTAL 6.0O\nCoffee\nx", "image": {"width": 300, "height": 300}, "lines": [
+        {"text": "TOTAL 6.0O", "box": [12, 10, 110, 32], "confidence": 0.98},
+        {"text": "Coffee", "box": [10, 41, 70, 60], "confidence": 0.95},
+        {"text": "x", "box": [200, 200, 210, 210], "confidence": 0.30}]}
+    score = score_document(_doc([truth]), DocumentOutcome("d", [PageOutcome(1, result)]), ScoreSettings("spotting"))
+    assert score.metric("cer") == pytest.approx(3 / 17) and score.metric("wer") == pytest.approx(2 / 3)
+    assert score.metric("cer_order_free") == pytest.approx(0.125)
+    assert (score.metric("line_precision"), score.metric("line_recall")) == (pytest.approx(2 / 3), 1.0)
+    assert score.metric("line_f1") == pytest.approx(0.8) and score.metric("e2e_f1") == pytest.approx(0.4)
+    assert score.metric("mean_iou") == pytest.approx((1960 / 2196 + 0.95) / 2)
+    assert metrics.ece_from_bins(metrics.calibration_bins(score.calibration)) == pytest.approx(0.41)

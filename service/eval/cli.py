@@ -62,7 +62,7 @@ def _run_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="ocr-serve eval", epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter,
                                 description="Run every document of MANIFEST through the service at --url and "
-                                "measure OCR quality and speed; writes summary.json, documents.csv, report.md and "
+                                "measure OCR quality and speed;\nwrites summary.json, documents.csv, report.md and "
                                 "plots to --out.")
     p.add_argument("manifest", type=Path, help="JSON Lines manifest (docs/EVAL.md)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the service (default %(default)s)")
@@ -79,7 +79,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--ece-bins", type=_positive_int, default=metrics.DEFAULT_ECE_BINS,
                    help="equal-width confidence bins for ECE (default %(default)s)")
     p.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds per request (default %(default)s)")
-    p.add_argument("--retries", type=int, default=8, help="retries of 429/503 with Retry-After and refused "
+    p.add_argument("--retries", type=_non_negative_int, default=8, help="retries of 429/503 with Retry-After and refused "
                    "connections (default %(default)s)")
     p.add_argument("--max-wait", type=_positive_float, default=60.0, help="longest Retry-After honoured, seconds "
                    "(default %(default)s)")
@@ -191,6 +191,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
 
 
