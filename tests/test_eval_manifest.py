@@ -110,7 +110,8 @@ def test_pdf_pages_in_points(tmp_path):
 
 
 def test_cli_prints_one_line_and_no_traceback(folder, capsys):
-    manifest = _write(folder, [GOOD, {"id": "b", "image": "imgs/a.png", "lines": [{"text": "x", "box": [0, 0, 999, 9]}]}])
+    outside = {"id": "b", "image": "imgs/a.png", "lines": [{"text": "x", "box": [0, 0, 999, 9]}]}
+    manifest = _write(folder, [GOOD, outside])
     code = eval_main([str(manifest), "--url", "http://127.0.0.1:9", "--out", str(folder / "out")])
     err = capsys.readouterr().err
     assert code == 2

@@ -15,7 +15,8 @@ from service.eval.manifest import ManifestDocument, PageTruth, TruthLine
 
 
 def test_normalise_nfkc_whitespace_and_case():
-    assert metrics.normalise("  Ｔｏｔａｌ\u3000 6.00\n\tEUR ") == "Total 6.00 EUR"  # fullwidth → ASCII, one space
+    # fullwidth → ASCII, every whitespace run → one space
+    assert metrics.normalise("  Ｔｏｔａｌ\u3000 6.00\n\tEUR ") == "Total 6.00 EUR"
     assert metrics.normalise("ﬁle：１") == "file:1"  # ligature and fullwidth colon/digit (NFKC)
     assert metrics.normalise("Straße ABC") == "Straße ABC"
     assert metrics.normalise("Straße ABC", ignore_case=True) == "strasse abc"  # case folding, not lower()
@@ -56,6 +57,9 @@ def test_matching_maximises_pairs_where_greedy_would_not():
     # greedy by IoU takes A-P (0.9) and leaves B and Q unmatched; the optimal matching pairs both
     iou = np.array([[0.9, 0.6], [0.6, 0.0]])
     assert sorted(metrics.match_pairs(iou, iou >= 0.5)) == [(0, 1), (1, 0)]
+    # more pairs beat a larger IoU sum: 0.35 + 0.35 < 0.95, still two matches at threshold 0.3
+    iou = np.array([[0.95, 0.35], [0.35, 0.0]])
+    assert sorted(metrics.match_pairs(iou, iou >= 0.3)) == [(0, 1), (1, 0)]
     # with equal counts possible, the larger IoU sum wins
     iou = np.array([[0.9, 0.6], [0.6, 0.8]])
     assert sorted(metrics.match_pairs(iou, iou >= 0.5)) == [(0, 0), (1, 1)]

@@ -79,8 +79,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--ece-bins", type=_positive_int, default=metrics.DEFAULT_ECE_BINS,
                    help="equal-width confidence bins for ECE (default %(default)s)")
     p.add_argument("--timeout", type=_positive_float, default=300.0, help="seconds per request (default %(default)s)")
-    p.add_argument("--retries", type=_non_negative_int, default=8, help="retries of 429/503 with Retry-After and refused "
-                   "connections (default %(default)s)")
+    p.add_argument("--retries", type=_non_negative_int, default=8, help="retries of 429/503 with Retry-After and "
+                   "refused connections (default %(default)s)")
     p.add_argument("--max-wait", type=_positive_float, default=60.0, help="longest Retry-After honoured, seconds "
                    "(default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -66,7 +66,8 @@ def compare_runs(a_path: str | Path, b_path: str | Path, *, resamples: int = DEF
         raise EvalError(f"the runs were scored differently: {', '.join(differing)}; compare runs made with the same "
                         "task and scoring options")
     by_id_b = {s.id: s for s in scores_b}
-    pairs = [(a, by_id_b[a.id]) for a in scores_a if a.id in by_id_b and a.error is None and by_id_b[a.id].error is None]
+    pairs = [(a, by_id_b[a.id]) for a in scores_a
+             if a.id in by_id_b and a.error is None and by_id_b[a.id].error is None]
     excluded = sorted({s.id for s in scores_a + scores_b} - {a.id for a, _ in pairs})
     if not pairs:
         raise EvalError("no document was scored in both runs (every one failed in A or in B)")
@@ -177,7 +178,7 @@ def render_compare(result: dict[str, Any]) -> str:
     significant = [n for n in HEADLINE if n in regressed and result["metrics"].get(n, {}).get("verdict") == "regressed"]
     headline = next(iter(significant), None) or next((name for name in HEADLINE if name in regressed), None)
     if headline:
-        lines += ["", f"## Documents that regressed most ({headline})", "", f"| id | A | B | B − A |",
+        lines += ["", f"## Documents that regressed most ({headline})", "", "| id | A | B | B − A |",
                   "|---|---|---|---|"]
         lines += [f"| {r['id']} | {_fmt(r['a'])} | {_fmt(r['b'])} | {_signed(r['difference'])} |"
                   for r in regressed[headline]]

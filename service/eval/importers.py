@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from service.eval import EvalError
+from service.eval.manifest import oriented_size
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".webp", ".gif")
 DONT_CARE = "###"
@@ -134,16 +135,12 @@ def _find_image(stem: str, folder: Path) -> Path:
 
 def _image_size(path: Path) -> tuple[int, int]:
     """Size with EXIF orientation applied: the frame the manifest's boxes are in."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(path) as img:
-            width, height = img.size
-            if img.getexif().get(0x0112, 1) in (5, 6, 7, 8):
-                width, height = height, width
-    except (UnidentifiedImageError, OSError) as exc:
+        return oriented_size(path)
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise ImportErrorLine(f"{path}: not a readable image ({exc})") from None
-    return width, height
 
 
 def _clamped(box: Any, width: int, height: int) -> list[float] | None:

@@ -141,7 +141,8 @@ def _document(entry: Any, folder: Path, where: str, number: int) -> ManifestDocu
     if "pages" in entry:
         raise ManifestError(f"{where}: \"pages\" is for PDF documents; {image} is not a PDF")
     frame = _image_frame(data, image, where)
-    return ManifestDocument(doc_id, file, number, "image", [_page_truth(entry, 1, frame, where, image_frame_name(frame))], sha)
+    page = _page_truth(entry, 1, frame, where, image_frame_name(frame))
+    return ManifestDocument(doc_id, file, number, "image", [page], sha)
 
 
 def _pdf_pages(pages: Any, sizes: list[tuple[float, float]], where: str) -> list[PageTruth]:
@@ -233,20 +234,27 @@ def _box(box: Any, frame: tuple[float, float], where: str, frame_name: str) -> t
     return x1, y1, x2, y2
 
 
-def _image_frame(data: bytes, name: str, where: str) -> tuple[float, float]:
-    """(width, height) of the stored image with its EXIF orientation applied (read from the header alone)."""
+def oriented_size(source: bytes | Path) -> tuple[int, int]:
+    """(width, height) of a stored image with its EXIF orientation applied, from its header alone. Raises
+    PIL.UnidentifiedImageError or OSError for what is not a readable image."""
     import io
 
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
+
+    with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as img:
+        width, height = img.size
+        if img.getexif().get(0x0112, 1) in _TRANSPOSED_ORIENTATIONS:
+            width, height = height, width
+    return width, height
+
+
+def _image_frame(data: bytes, name: str, where: str) -> tuple[float, float]:
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            width, height = img.size
-            orientation = img.getexif().get(0x0112, 1)
+        width, height = oriented_size(data)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise ManifestError(f"{where}: {name} is not an image that can be read ({exc})") from None
-    if orientation in _TRANSPOSED_ORIENTATIONS:
-        width, height = height, width
     return float(width), float(height)
 
 

@@ -12,6 +12,7 @@ PubTabNet TEDS on the `apted` tree edit distance).
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import unicodedata
@@ -72,7 +73,7 @@ def require_metric_packages() -> None:
     """The metrics need the `eval` extra (rapidfuzz, scipy, table-recognition-metric): one clear error if absent."""
     missing = [name for name, mod in (("rapidfuzz", Levenshtein), ("scipy", linear_sum_assignment)) if mod is None]
     try:
-        import table_recognition_metric  # noqa: F401
+        importlib.import_module("table_recognition_metric")  # with its lxml, Levenshtein and apted
     except ImportError:
         missing.append("table-recognition-metric")
     if missing:
@@ -304,7 +305,8 @@ def calibration_bins(pairs: Sequence[tuple[float, int]], bins: int = DEFAULT_ECE
 
 
 def ece_from_bins(binned: np.ndarray) -> float | None:
-    """Expected calibration error Σ_b (n_b/N)·|accuracy_b − mean confidence_b| = Σ_b |Σcorrect_b − Σconf_b| / N."""
+    """Expected calibration error Σ_b (n_b/N)·|accuracy_b − mean confidence_b| = Σ_b |Σcorrect_b − Σconf_b| / N
+    (of one set of bins, or of each of a stack of them)."""
     total = binned[..., 0].sum(axis=-1)
     gap = np.abs(binned[..., 2] - binned[..., 1]).sum(axis=-1)
     if np.ndim(total) == 0:

@@ -1,5 +1,6 @@
 """A run's outputs: summary.json, documents.csv (worst first), documents.jsonl (what `compare` resamples),
-responses.jsonl (the service's answers, to look into a bad document), report.md and PNG plots (with the `eval` extra's matplotlib; without it the report says the plots were skipped).
+responses.jsonl (the service's answers, to look into a bad document), report.md and PNG plots (with the `eval`
+extra's matplotlib; without it the report says the plots were skipped).
 
 summary.json (schema version 1, docs/EVAL.md "summary.json"):
     {"schema_version": 1, "documents": N, "errors": N, "pages": N,
@@ -58,8 +59,9 @@ def summarise(scores: list[DocumentScore], *, wall_s: float, settings: dict[str,
         "errors": len(scores) - len(ok),
         "pages": sum(s.pages for s in scores),
         "metrics": {name: values[name] for name in metrics.METRIC_NAMES},
-        "per_field": {name: {"exact": _round(d["exact"] / d["count"]), "similarity": _round(d["similarity"] / d["count"]),
-                             "count": int(d["count"])} for name, d in sorted(per_field.items())},
+        "per_field": {name: {"exact": _round(d["exact"] / d["count"]),
+                             "similarity": _round(d["similarity"] / d["count"]), "count": int(d["count"])}
+                      for name, d in sorted(per_field.items())},
         "calibration": {"bins": _bins_json(binned), "lines": len(pairs)},
         "coverage": {name: sum(1 for s in ok if s.metric(name) is not None) for name in metrics.RATIO_METRICS},
         "retries": sum(s.retries for s in scores),

@@ -104,7 +104,8 @@ class Canvas:
         self.draw = ImageDraw.Draw(self.image)
         self.page = SamplePage()
 
-    def text(self, xy: tuple[float, float], text: str, size: int, fill: Any = "black", anchor: str = "la") -> SampleLine:
+    def text(self, xy: tuple[float, float], text: str, size: int, fill: Any = "black",
+             anchor: str = "la") -> SampleLine:
         font = load_font(size)
         self.draw.text(xy, text, font=font, fill=fill, anchor=anchor)
         line = SampleLine(text, tuple(float(v) for v in self.draw.textbbox(xy, text, font=font, anchor=anchor)))
