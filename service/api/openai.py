@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -128,7 +128,8 @@ def chat_shape(payload: dict[str, Any]) -> None:
             raise OCRError("validation_error", f"messages.{index}.content: at most {MAX_CONTENT_PARTS} parts")
 
 
-async def parse_body(request: Request, ctx: AppContext, model: type[_OpenAIModel], shape=None) -> Any:
+async def parse_body(request: Request, ctx: AppContext, model: type[_OpenAIModel],
+                     shape: Callable[[dict[str, Any]], None] | None = None) -> Any:
     return await read_json_model(await request.body(), model, ctx.settings.max_json_items, shape)
 
 
