@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 # code -> (HTTP status, when it happens)
 ERROR_CODES: dict[str, tuple[int, str]] = {
-    "invalid_request": (400, "The request is malformed (bad JSON, wrong field types, missing fields)."),
+    "invalid_request": (400, "The request is malformed (bad JSON, JSON nested deeper than 200 levels, a body that "
+                        "is not an object, missing fields, a `Last-Event-ID` that is not a page index)."),
     "invalid_base64": (400, "The `image` field is not valid base64 (or a base64 data URL)."),
     "empty_image": (400, "No image bytes were sent."),
     "invalid_image": (400, "The bytes are not a decodable image of an allowed format, or the file is truncated."),
@@ -18,8 +19,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "image_too_large": (413, "The image has more pixels, a longer side or more frames than allowed."),
     "unsupported_aspect_ratio": (400, "The image is longer than `max_image_aspect_ratio` times its width (or wider "
                                  "than that times its height): no document is, and the model's processor refuses it."),
-    "payload_too_large": (413, "The request body exceeds the size limit."),
-    "prompt_too_long": (400, "The request's text (extraction fields, a chat message) leaves no room in the model's "
+    "payload_too_large": (413, "The request body exceeds the size limit (`max_body_bytes`), or a JSON body or "
+                          "JSON form field holds more than `max_json_items` items."),
+    "prompt_too_long": (400, "The request's instruction (a chat request's user text, a completion's `prompt`) is "
+                        "longer than `max_text_field_chars`, or the request's text leaves no room in the model's "
                         "context for the image at its smallest and one output token."),
     "unknown_task": (400, "The `task` is not one of the documented tasks."),
     "unsupported_task": (400, "The task is known but the current engine cannot perform it."),
@@ -29,12 +32,14 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "invalid_webhook": (400, "The job's `webhook` URL is refused: not http(s), has credentials, or resolves to a "
                         "non-public address that is not in the allow-list."),
     "unauthorized": (401, "Missing or invalid API key."),
-    "forbidden": (403, "The API key may not use this endpoint or adapter."),
+    "forbidden": (403, "The API key may not use this endpoint, adapter or option (`ignore_eos`/`min_tokens` need "
+                  "the admin role)."),
     "unknown_adapter": (404, "The named LoRA adapter does not exist."),
     "invalid_adapter": (422, "The LoRA adapter exists but cannot be loaded (rank above max_lora_rank, wrong modules)."),
     "not_found": (404, "No such resource (job id, route)."),
     "method_not_allowed": (405, "The HTTP method is not allowed on this route."),
-    "validation_error": (422, "A field has an invalid value (out of range, unknown field)."),
+    "validation_error": (422, "A field has an invalid value or type (out of range, too long, a string where a "
+                         "number or boolean belongs, unknown field)."),
     "rate_limited": (429, "The tenant's token bucket is empty; retry after `Retry-After` seconds."),
     "overloaded": (503, "All engine replicas are saturated; retry after `Retry-After` seconds."),
     "rate_limiter_unavailable": (503, "The rate-limit backend failed and fail mode is `closed`."),

@@ -8,14 +8,16 @@ application metric with `ray_` (and counters get `_total`), and vLLM's Ray stat 
 `ray_vllm_x`; `METRIC_RELABEL_CONFIGS` renames them back at scrape time to `ocr_*` and `vllm:*`. The chart's
 PodMonitor, deploy/grafana/prometheus-scrape.yaml and the test's prometheus.yml all use exactly these rules.
 
-Labels are bounded: task names come from the task table (else `unknown`), status/code from the error table,
-tenants from the key file (`unknown` before authentication), adapters only after the engine accepted them.
+Labels are bounded: task names come from the task table (else `unknown`), status/code from the error table (and
+499 `client_disconnected` for a client gone before its answer), tenants from the key file (`unknown` before
+authentication), adapters only after the engine accepted them.
 Ray histograms keep exact bucket counts but approximate `_sum` (bucket midpoints): exact totals (tokens) are
 separate counters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -39,6 +41,10 @@ CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0
 
 # Routes counted in `ocr_requests_total` (path prefix -> `endpoint` label); health probes are not requests.
 COUNTED_ENDPOINTS = {"/v1/ocr": "ocr", "/v1/jobs": "jobs"}
+# A client that went away before its whole answer was sent: neither a success nor a fault of ours. Counted with
+# nginx's status for it, 499, and this code (no response carries either: nobody is there to read it).
+CLIENT_CLOSED_REQUEST = 499
+CLIENT_DISCONNECTED = "client_disconnected"
 STAGES = ("decode", "queue", "engine", "preprocess", "first_token", "generate", "delivery", "parse")
 AUTOSCALING_SETTINGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "latency_target_seconds")
 # Ray's metrics agent drops a gauge series that was not re-reported for 2 report intervals (2 x 10 s), and a process
@@ -74,7 +80,8 @@ class MetricSpec:
 # The registry, in request order: ingress (HTTP → admission → engine call → parse) then engine replicas.
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("ocr_requests", "counter", "ingress",
-               "Finished API requests by endpoint, task, HTTP status, error code (`ok` on success) and tenant.",
+               "Finished API requests by endpoint, task, HTTP status, error code (`ok` on success) and tenant; a "
+               "client that disconnected before its whole answer was sent: status 499, code `client_disconnected`.",
                ("endpoint", "task", "status", "code", "tenant")),
     MetricSpec("ocr_request_duration_seconds", "histogram", "ingress",
                "End-to-end request latency in the ingress (body read to last byte sent); outcome "
@@ -412,7 +419,9 @@ STATE_TENANT = "metrics_tenant"
 class RequestMetricsMiddleware:
     """Counts every request to a COUNTED_ENDPOINTS route with its final HTTP status and error code, whichever layer
     answered (handler, exception handlers, body-size cap). Handlers add `task`/`tenant` via `request.state`; the error
-    code is read from the (small) JSON error body."""
+    code is read from the (small) JSON error body. A request whose client disconnected before the answer's last byte
+    (an `http.disconnect` from the server, or Serve cancelling the request when its proxy saw the client go) counts
+    as 499 `client_disconnected`, whatever the app answered into the void."""
 
     def __init__(self, app, metrics: IngressMetrics):
         self.app = app
@@ -427,19 +436,35 @@ class RequestMetricsMiddleware:
         state = scope.setdefault("state", {})
         status = 500
         error_body = bytearray()
+        answered = disconnected = False
+
+        async def watching_receive():
+            nonlocal disconnected
+            message = await receive()
+            if message["type"] == "http.disconnect" and not answered:
+                disconnected = True
+            return message
 
         async def recording_send(message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
                 status = message["status"]
-            elif message["type"] == "http.response.body" and status >= 400 and len(error_body) < 4096:
-                error_body.extend(message.get("body", b""))
+            elif message["type"] == "http.response.body":
+                if status >= 400 and len(error_body) < 4096:
+                    error_body.extend(message.get("body", b""))
+                answered = answered or not message.get("more_body", False)
             await send(message)
 
         try:
-            await self.app(scope, receive, recording_send)
+            await self.app(scope, watching_receive, recording_send)
+        except asyncio.CancelledError:
+            disconnected = not answered
+            raise
         finally:
-            code = "ok" if status < 400 else _error_code(bytes(error_body), status)
+            if disconnected:
+                status, code = CLIENT_CLOSED_REQUEST, CLIENT_DISCONNECTED
+            else:
+                code = "ok" if status < 400 else _error_code(bytes(error_body), status)
             self.metrics.request_finished(endpoint=endpoint, task=task_label(state.get(STATE_TASK)),
                                           status=status, code=code, tenant=str(state.get(STATE_TENANT) or "unknown"),
                                           seconds=time.perf_counter() - started)

@@ -51,8 +51,15 @@ class Settings(BaseSettings):
         default_factory=lambda: ["PNG", "JPEG", "WEBP", "BMP", "TIFF", "GIF"],
         description="Image formats accepted after magic-byte sniffing (the Content-Type is ignored).",
     )
+    max_json_items: int = Field(
+        20_000, ge=100, description="Most items (objects, arrays, values) a JSON request body may hold, counted as "
+        "its `{`, `[` and `,` bytes before it is parsed (413 `payload_too_large`): parsing costs CPU per item, and "
+        "a body of tiny values at `max_body_bytes` would hold the ingress for seconds. A 32 KiB extraction schema "
+        "has at most 16 000.")
     max_text_field_chars: int = Field(
-        2000, ge=1, description="Longest free-text request field (prompt hints, field names) in characters."
+        2000, ge=1, description="Longest free-text request field in characters: field names (422 "
+        "`validation_error`), the text of a chat request's user messages and a completion's `prompt` (400 "
+        "`prompt_too_long`). Checked before the text is sanitised."
     )
     max_fields: int = Field(64, ge=1, description="Most fields one extraction request may name.")
     max_schema_bytes: int = Field(32_768, ge=64, description="Largest JSON Schema accepted for extraction, in bytes.")

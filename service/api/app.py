@@ -10,8 +10,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api.context import AppContext
@@ -22,7 +23,7 @@ from service.api.openai import make_router as openai_router
 from service.api.jobs import JOB_MULTIPART_OVERHEAD_BYTES
 from service.api.jobs import make_router as jobs_router
 from service.errors import ERROR_CODES, OCRError
-from service.metrics import RequestMetricsMiddleware
+from service.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware
 from service.ui import make_router as ui_router
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,13 @@ def create_app(ctx: AppContext) -> FastAPI:
         err = OCRError(code, str(exc.detail))
         return JSONResponse(err.body(), status_code=exc.status_code if exc.status_code < 500 else 500,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(_: Request, exc: ClientDisconnect):
+        # the client closed the connection before its body was read: not a fault of ours, and nobody reads an answer
+        # (RequestMetricsMiddleware counts it as `client_disconnected`)
+        log.debug("client disconnected while sending its request")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -129,7 +129,8 @@ def make_router(ctx: AppContext) -> APIRouter:
         webhook = await validate_webhook(webhook_url, settings) if webhook_url else None
         pages_spec = fields.get("pages")
         return_images = _truthy(fields.get("return_page_images"))
-        req = request_from_form_fields({k: v for k, v in fields.items() if k not in JOB_FIELDS})
+        req = request_from_form_fields({k: v for k, v in fields.items() if k not in JOB_FIELDS},
+                                       settings.max_json_items)
         setattr(request.state, STATE_TASK, req.task)
         if req.image or req.stream:
             raise OCRError("invalid_request", "jobs take `file` parts (no `image`) and stream via /events")
@@ -198,10 +199,7 @@ def make_router(ctx: AppContext) -> APIRouter:
     async def job_events(job_id: str, request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
         await owned(job_id, principal)
-        start = 0
-        last_id = request.headers.get("last-event-id", "")
-        if last_id.strip().isdigit():
-            start = int(last_id) + 1
+        start = resume_index(request.headers.get("last-event-id", ""))
         return StreamingResponse(_events(job_id, start), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -234,6 +232,17 @@ def make_router(ctx: AppContext) -> APIRouter:
             await store.wait(job_id, EVENTS_KEEPALIVE_S)
 
     return router
+
+
+def resume_index(last_event_id: str) -> int:
+    """The first page to send after `Last-Event-ID` (the index of the last page event received; absent: 0). Only ids
+    the stream could have sent are taken (at most 9 ASCII digits): 400 `invalid_request` otherwise."""
+    last_id = last_event_id.strip()
+    if not last_id:
+        return 0
+    if not (len(last_id) <= 9 and last_id.isascii() and last_id.isdigit()):
+        raise OCRError("invalid_request", "Last-Event-ID must be the id of a page event (a page index)")
+    return int(last_id) + 1
 
 
 def _sse(event: str, data: Any, event_id: int | None = None) -> str:

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+import pydantic_core
 from pydantic import ValidationError
 
 from service.admission.auth import Principal
@@ -24,6 +25,7 @@ from service.admission.limits import check_request_limits
 from service.admission.presize import presize, processor_size
 from service.admission.prompts import build_prompt, guided_json_for
 from service.api.context import AppContext
+from service.api.json_body import check_json_items, read_json_model, validation_error
 from service.api.protocol import OCRRequest, OCRResponse
 from service.engine.protocol import EngineInfo, EngineRequest, EngineResult
 from service.errors import OCRError, openapi_error_responses
@@ -104,7 +106,7 @@ async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, byte
             if not isinstance(value, str):
                 raise OCRError("invalid_request", f"form field {key!r} must be text")
             fields[key] = value
-        model = request_from_form_fields(fields)
+        model = request_from_form_fields(fields, settings.max_json_items)
         if model.image:
             raise OCRError("invalid_request", "send the image either as `file` or as `image`, not both")
         if not data:
@@ -115,48 +117,36 @@ async def read_ocr_request(request: Request, settings) -> tuple[OCRRequest, byte
     body = await request.body()
     if not body:
         raise OCRError("empty_image", "the request body is empty")
-    try:
-        payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: `[[[[...` nested JSON
-        raise OCRError("invalid_request", "the body is not valid JSON") from exc
-    if not isinstance(payload, dict):
-        raise OCRError("invalid_request", "the body must be a JSON object")
-    try:
-        model = OCRRequest.model_validate(payload)
-    except ValidationError as exc:
-        raise OCRError("validation_error", _first_error(exc)) from exc
+    model = await read_json_model(body, OCRRequest, settings.max_json_items)  # strict types, work bounded first
     if not model.image:
         raise OCRError("empty_image", "the `image` field is missing or empty")
     return model, decode_base64_image(model.image, settings.max_body_bytes)
 
 
-def request_from_form_fields(fields: dict[str, Any]) -> OCRRequest:
-    """Multipart text fields → OCRRequest (`fields` as a JSON list or comma-separated, `schema` as JSON)."""
+def request_from_form_fields(fields: dict[str, Any], max_json_items: int) -> OCRRequest:
+    """Multipart text fields → OCRRequest (`fields` as a JSON list or comma-separated, `schema` as JSON; either
+    bounded like a JSON body)."""
     fields = dict(fields)
     if "fields" in fields:
         raw = fields["fields"].strip()
+        check_json_items(raw.encode(), max_json_items, "the `fields` form field")
         fields["fields"] = _json_or(raw, [f.strip() for f in raw.split(",") if f.strip()])
     if "schema" in fields:
+        check_json_items(fields["schema"].encode(), max_json_items, "the `schema` form field")
         fields["schema"] = _json_or(fields["schema"], None, "schema must be a JSON object")
     try:
-        return OCRRequest.model_validate(fields)
+        return OCRRequest.model_validate(fields)  # lax: form fields are text (`max_tokens=10`, `stream=true`)
     except ValidationError as exc:
-        raise OCRError("validation_error", _first_error(exc)) from exc
+        raise validation_error(exc) from None
 
 
 def _json_or(raw: str, default: Any, error: str | None = None) -> Any:
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
+        return pydantic_core.from_json(raw)  # nesting beyond its limit is a ValueError, never a RecursionError
+    except ValueError:
         if error:
             raise OCRError("invalid_request", error) from None
         return default
-
-
-def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-    return f"{where}: {err.get('msg', 'invalid value')}"
 
 
 async def validate_task(ctx: AppContext, req: OCRRequest) -> None:

@@ -6,9 +6,12 @@ for both; `GET /v1/models` lives in health.py). The official `openai` Python cli
 - completions (the seed's flow): `prompt` = the instruction, the image as base64 (or a data URL) in the extra body
   field `image` (`client.completions.create(..., extra_body={"image": b64})`).
 
-Same order as `/v1/ocr`: authenticate → validate → decode → budget/resize → rate limit → engine → respond. The user
-text is sanitised (no `<｜…｜>` placeholders); the engine builds the real prompt with the model's chat template.
-Decoding is greedy (HunyuanOCR's recipe): `temperature`/`top_p` are accepted and ignored.
+Same order as `/v1/ocr`: authenticate → validate → decode → budget/resize → rate limit → engine → respond. The body
+is parsed with its work bounded first and its types checked strictly (service/api/json_body.py); the user text is
+refused above `max_text_field_chars` (400 `prompt_too_long`, before any other work on it) and sanitised (no
+`<｜…｜>` placeholders); the engine builds the real prompt with the model's chat template. Decoding is greedy
+(HunyuanOCR's recipe): `temperature`/`top_p` are accepted and ignored. vLLM's benchmark extensions `ignore_eos` and
+`min_tokens` make a request generate up to its token limit whatever the model says: admin keys only.
 """
 
 from __future__ import annotations
@@ -18,16 +21,17 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.admission.auth import Principal
 from service.admission.images import decode_base64_image, decode_image
 from service.admission.prompts import sanitize_user_text
 from service.api.context import AppContext
+from service.api.json_body import read_json_model
 from service.api.ocr import admit, first_event_then_rest, prepare_decoded_page, rate_limit_cost
 from service.api.protocol import OCRRequest
 from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
@@ -39,9 +43,15 @@ log = logging.getLogger(__name__)
 
 # --- request models -------------------------------------------------------------------------------------------------
 
+MAX_MESSAGES = 16  # one user turn, plus system/developer messages
+MAX_CONTENT_PARTS = 16  # per message: the image and text parts
+MAX_MODEL_NAME_CHARS = 128  # the longest adapter name (`adapter` of /v1/ocr)
+
+
 class _OpenAIModel(BaseModel):
-    # OpenAI clients send optional fields this service has no use for (n=1, user, seed, ...): ignore them
-    model_config = ConfigDict(extra="ignore")
+    # OpenAI clients send optional fields this service has no use for (n=1, user, seed, ...): ignore them. Strict:
+    # a JSON string is not a number or a boolean (the official client sends real JSON types).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class ImageURL(_OpenAIModel):
@@ -57,7 +67,7 @@ class ContentPart(_OpenAIModel):
 
 class ChatMessage(_OpenAIModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(None, max_length=MAX_CONTENT_PARTS)
 
 
 class JSONSchemaFormat(_OpenAIModel):
@@ -76,19 +86,20 @@ class StreamOptions(_OpenAIModel):
 
 
 class _SamplingFields(_OpenAIModel):
-    model: str | None = Field(None, description="Base model name or LoRA adapter name (see GET /v1/models).")
+    model: str | None = Field(None, max_length=MAX_MODEL_NAME_CHARS,
+                              description="Base model name or LoRA adapter name (see GET /v1/models).")
     max_tokens: int | None = Field(None, ge=1, description="Output token limit (capped by the image budget).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, description="Ignored: decoding is greedy.")
     top_p: float | None = Field(None, description="Ignored: decoding is greedy.")
     repetition_penalty: float | None = Field(None, gt=0, description="vLLM extension; default from settings.")
-    min_tokens: int = Field(0, ge=0, description="vLLM extension (benchmarks).")
-    ignore_eos: bool = Field(False, description="vLLM extension (benchmarks).")
+    min_tokens: int = Field(0, ge=0, description="vLLM extension (benchmarks): admin keys only.")
+    ignore_eos: bool = Field(False, description="vLLM extension (benchmarks): admin keys only.")
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Only the sampled token is returned.")
@@ -104,27 +115,43 @@ class CompletionRequest(_SamplingFields):
 
 # --- admission ------------------------------------------------------------------------------------------------------
 
-def _parse(model: type[BaseModel], payload: Any) -> Any:
-    try:
-        return model.model_validate(payload)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-        raise OCRError("validation_error", f"{where}: {err.get('msg', 'invalid value')}") from None
+def chat_shape(payload: dict[str, Any]) -> None:
+    """Message and content-part counts, checked on the parsed body before validation, whose cost grows with them."""
+    messages = payload.get("messages")
+    if not isinstance(messages, list):
+        return
+    if len(messages) > MAX_MESSAGES:
+        raise OCRError("validation_error", f"messages: at most {MAX_MESSAGES} messages")
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and len(content) > MAX_CONTENT_PARTS:
+            raise OCRError("validation_error", f"messages.{index}.content: at most {MAX_CONTENT_PARTS} parts")
 
 
-async def _read_json(request: Request) -> Any:
-    body = await request.body()
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise OCRError("invalid_request", "the body is not valid JSON") from None
+async def parse_body(request: Request, ctx: AppContext, model: type[_OpenAIModel],
+                     shape: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    return await read_json_model(await request.body(), model, ctx.settings.max_json_items, shape)
 
 
-def chat_inputs(req: ChatCompletionRequest) -> tuple[str, str]:
-    """(image data URL, user text) from the messages: exactly one image, text parts joined."""
+def check_prompt_length(text: str, max_chars: int, what: str) -> None:
+    """Instructions longer than the limit are refused, not cut: a cut instruction asks something else."""
+    if len(text) > max_chars:
+        raise OCRError("prompt_too_long", f"{what} has {len(text)} characters; at most {max_chars}")
+
+
+def check_extensions(fields: _SamplingFields, principal: Principal) -> None:
+    """`ignore_eos`/`min_tokens` run a request to its token limit whatever the model says (benchmarks)."""
+    if (fields.ignore_eos or fields.min_tokens) and principal.role != "admin":
+        raise OCRError("forbidden", "`ignore_eos` and `min_tokens` (vLLM benchmark extensions) need an API key "
+                       "with the admin role")
+
+
+def chat_inputs(req: ChatCompletionRequest, max_text_chars: int) -> tuple[str, str]:
+    """(image data URL, user text) from the messages: exactly one image, the user's text parts joined (400
+    `prompt_too_long` beyond `max_text_chars`, counted before anything else looks at the text)."""
     images: list[str] = []
     texts: list[str] = []
+    text_chars = 0
     for message in req.messages:
         if message.role == "assistant":
             raise OCRError("invalid_request", "only one user turn is supported (no assistant messages)")
@@ -136,6 +163,10 @@ def chat_inputs(req: ChatCompletionRequest) -> tuple[str, str]:
                     raise OCRError("invalid_request", "an image_url part needs `image_url.url`")
                 images.append(part.image_url.url)
             elif part.text and message.role == "user":
+                text_chars += len(part.text) + (1 if texts else 0)  # joined with newlines
+                if text_chars > max_text_chars:
+                    raise OCRError("prompt_too_long", f"the user messages' text has more than {max_text_chars} "
+                                   "characters")
                 texts.append(part.text)
     if not images:
         raise OCRError("empty_image", "send the image as an `image_url` content part (data URL)")
@@ -164,12 +195,12 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
     s = ctx.settings
     info = await ctx.get_engine_info()
     adapter = await resolve_adapter(ctx, principal, model)
-    text = sanitize_user_text(user_text, s.max_text_field_chars) or TASKS["text"].prompt
     data = decode_base64_image(image, s.max_body_bytes)
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     ocr_req = OCRRequest.model_validate({"task": "text", "adapter": adapter, "max_tokens": max_tokens})
 
     def prepare():
+        text = sanitize_user_text(user_text, s.max_text_field_chars) or TASKS["text"].prompt
         decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
                                max_side=s.max_image_side, max_frames=s.max_frames,
                                defer_pixels=s.png_pixel_check == "engine")
@@ -181,7 +212,7 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
         "logprobs": logprobs,
         "guided_json": guided_json,
         "repetition_penalty": fields.repetition_penalty or s.repetition_penalty,
-        "min_tokens": max(page.engine_request.min_tokens, fields.min_tokens),
+        "min_tokens": min(max(page.engine_request.min_tokens, fields.min_tokens), page.engine_request.max_tokens),
         "ignore_eos": page.engine_request.ignore_eos or fields.ignore_eos,
     })
     return engine_request, headers, adapter or info.model
@@ -270,8 +301,9 @@ def make_router(ctx: AppContext) -> APIRouter:
                  responses=openapi_error_responses())
     async def chat_completions(request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
-        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_json(request))
-        image, text = chat_inputs(req)
+        req: ChatCompletionRequest = await parse_body(request, ctx, ChatCompletionRequest, chat_shape)
+        check_extensions(req, principal)
+        image, text = chat_inputs(req, ctx.settings.max_text_field_chars)
         guided = None
         if req.response_format is not None and req.response_format.type == "json_schema":
             if req.response_format.json_schema is None or req.response_format.json_schema.schema_ is None:
@@ -313,7 +345,8 @@ def make_router(ctx: AppContext) -> APIRouter:
                  responses=openapi_error_responses())
     async def completions(request: Request):
         principal = ctx.authenticator.authenticate(request.headers)
-        req: CompletionRequest = _parse(CompletionRequest, await _read_json(request))
+        req: CompletionRequest = await parse_body(request, ctx, CompletionRequest)
+        check_extensions(req, principal)
         if req.echo:
             raise OCRError("invalid_request", "echo is not supported")
         prompt = req.prompt
@@ -321,6 +354,7 @@ def make_router(ctx: AppContext) -> APIRouter:
             if len(prompt) != 1:
                 raise OCRError("invalid_request", "exactly one prompt per request")
             prompt = prompt[0]
+        check_prompt_length(prompt, ctx.settings.max_text_field_chars, "prompt")
         want_logprobs = req.logprobs is not None
         engine_request, headers, model = await prepare_openai_request(
             ctx, principal, image=req.image, user_text=prompt, model=req.model, max_tokens=req.max_tokens,
