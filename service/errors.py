@@ -31,6 +31,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "too_many_pages": (413, "The document has more pages than allowed."),
     "invalid_webhook": (400, "The job's `webhook` URL is refused: not http(s), has credentials, or resolves to a "
                         "non-public address that is not in the allow-list."),
+    "ambiguous_credentials": (400, "The request carries more than one API key: a repeated `Authorization` or "
+                              "`X-API-Key` header, or both headers with different keys."),
     "unauthorized": (401, "Missing or invalid API key."),
     "forbidden": (403, "The API key may not use this endpoint, adapter or option (`ignore_eos`/`min_tokens` need "
                   "the admin role)."),
@@ -45,6 +47,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "rate_limiter_unavailable": (503, "The rate-limit backend failed and fail mode is `closed`."),
     "engine_unavailable": (503, "No healthy engine replica could serve the request."),
     "job_store_unavailable": (503, "The job store (Redis) is unavailable; retry after `Retry-After` seconds."),
+    "job_lost": (503, "A job's state was lost from the job store (Redis restarted or failed over without its data); "
+                 "its page results are gone: resubmit the job."),
     "shutting_down": (503, "This instance is draining before it stops; retry after `Retry-After` seconds."),
     "timeout": (504, "The request did not finish within the service's time limit."),
     "internal_error": (500, "An unexpected server fault (reported, never a client mistake)."),

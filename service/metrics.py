@@ -87,12 +87,17 @@ METRICS: tuple[MetricSpec, ...] = (
                "End-to-end request latency in the ingress (body read to last byte sent); outcome "
                "ok | client_error | server_error.", ("endpoint", "task", "outcome"), LATENCY_BUCKETS_S),
     MetricSpec("ocr_auth_failures", "counter", "ingress",
-               "Requests refused by authentication/authorisation; reason = error code (unauthorized, forbidden).",
+               "Requests refused by authentication/authorisation; reason = error code (unauthorized, forbidden, "
+               "ambiguous_credentials).",
                ("reason",)),
     MetricSpec("ocr_rate_limited", "counter", "ingress", "Requests answered 429 `rate_limited`, by tenant.",
                ("tenant",)),
     MetricSpec("ocr_ratelimit_backend_errors", "counter", "ingress",
                "Failed rate-limiter backend (Redis) calls; error = exception class.", ("error",)),
+    MetricSpec("ocr_redis_resets", "counter", "ingress",
+               "Redis restarts, failovers and losses of the service's Redis state noticed by an ingress replica "
+               "(each replica counts each event once); data = lost: the state was gone (rate-limit buckets full "
+               "again, running jobs lost), kept: a new server run_id with the state intact.", ("data",)),
     MetricSpec("ocr_ingress_waiting_requests", "gauge", "ingress",
                "Admitted requests this ingress replica sent to the engine deployment and still waits for "
                "(queued for a replica + running)."),
@@ -118,6 +123,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("ocr_webhook_deliveries", "counter", "ingress",
                "Job webhook deliveries by final outcome: delivered | redirect | http_error | timeout | unreachable | "
                "error.", ("outcome",)),
+    MetricSpec("ocr_jobs_lost", "counter", "ingress",
+               "Running jobs whose stored state vanished from the job store (Redis restarted or failed over without "
+               "its data, or evicted it); the replica running each marks it failed with `job_lost`."),
     MetricSpec("ocr_latency_slo_seconds", "gauge", "ingress",
                "The p95 end-to-end latency objective (settings.latency_slo_s), for dashboards and alerts."),
     MetricSpec("ocr_autoscaling_config", "gauge", "ingress",
@@ -309,7 +317,7 @@ class IngressMetrics(_Metrics):
         self._inc("ocr_requests", endpoint=endpoint, task=task, status=str(status), code=code, tenant=tenant)
         self._observe("ocr_request_duration_seconds", seconds, endpoint=endpoint, task=task,
                       outcome=outcome_label(status))
-        if code in ("unauthorized", "forbidden"):
+        if code in ("unauthorized", "forbidden", "ambiguous_credentials"):
             self._inc("ocr_auth_failures", reason=code)
         elif code == "rate_limited":
             self._inc("ocr_rate_limited", tenant=tenant)
@@ -318,6 +326,10 @@ class IngressMetrics(_Metrics):
     def limiter_backend_error(self, exc: BaseException) -> None:
         """`on_backend_error` hook of the failover rate limiter."""
         self._inc("ocr_ratelimit_backend_errors", error=type(exc).__name__)
+
+    def redis_state_changed(self, data: str) -> None:
+        """`on_change` hook of the Redis state watch (service/admission/redis_state.py): `lost` or `kept`."""
+        self._inc("ocr_redis_resets", data=data)
 
     # engine call
     def waiting_for_engine(self) -> AbstractContextManager[None]:
@@ -348,6 +360,10 @@ class IngressMetrics(_Metrics):
     def webhook_delivered(self, outcome: str) -> None:
         """One job webhook delivery ended (outcomes: service/jobs/webhook.py OUTCOMES)."""
         self._inc("ocr_webhook_deliveries", outcome=outcome)
+
+    def job_lost(self) -> None:
+        """A running job's state vanished from the job store; its runner marked it failed `job_lost`."""
+        self._inc("ocr_jobs_lost")
 
 
 class EngineMetrics(_Metrics):

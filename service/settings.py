@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     rate_limit_backend_log_interval_s: float = Field(
         30.0, ge=0, description="While Redis is down: at most one error log line per this many seconds."
     )
+    redis_state_check_interval_s: float = Field(
+        5.0, gt=0, le=300, description="How often each ingress replica checks whether Redis restarted, failed over "
+        "or lost the service's state (rate-limit buckets, jobs); counted in `ocr_redis_resets_total`."
+    )
     api_keys_reload_interval_s: float = Field(
         1.0, ge=0, description="How often the key file is checked for changes (Secret rotation); 0 = every request."
     )

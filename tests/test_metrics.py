@@ -136,7 +136,7 @@ def test_promtool_check_rules():
     out = subprocess.run([promtool(), "check", "rules", str(GRAFANA / "alerts.yaml")], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 5 rules found" in out.stdout
+    assert "SUCCESS: 6 rules found" in out.stdout
 
 
 def test_promtool_test_rules_fires_every_alert():
@@ -146,7 +146,7 @@ def test_promtool_test_rules_fires_every_alert():
     alerts = {rule["alert"] for group in yaml.safe_load((GRAFANA / "alerts.yaml").read_text())["groups"]
               for rule in group["rules"]}
     assert alerts == {"OCRHighP95Latency", "OCRHighErrorRate", "OCRRising429s", "OCRRateLimiterBackendErrors",
-                      "OCRNoReadyEngineReplica"}
+                      "OCRNoReadyEngineReplica", "OCRRedisStateLost"}
     cases = [case for test in yaml.safe_load((GRAFANA / "alerts_test.yaml").read_text())["tests"]
              for case in test["alert_rule_test"]]
     fired = {case["alertname"] for case in cases if case["exp_alerts"]}

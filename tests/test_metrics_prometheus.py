@@ -219,11 +219,12 @@ def test_alert_rules_load_and_stay_quiet(stack: Stack):
     rules = stack.prom.rules()
     names = {rule["name"] for rule in rules}
     assert names == {"OCRHighP95Latency", "OCRHighErrorRate", "OCRRising429s", "OCRRateLimiterBackendErrors",
-                     "OCRNoReadyEngineReplica"}
+                     "OCRNoReadyEngineReplica", "OCRRedisStateLost"}
     assert all(rule["health"] == "ok" for rule in rules), rules
     by_name = {rule["name"]: rule for rule in rules}
     assert by_name["OCRNoReadyEngineReplica"]["state"] == "inactive"  # the engine replica is healthy
     assert by_name["OCRRising429s"]["state"] != "firing"  # `for: 10m` cannot have elapsed
+    assert by_name["OCRRedisStateLost"]["state"] == "inactive"  # Redis went down but lost nothing it came back to
     # every alert expression evaluates against the real series without error
     for rule in rules:
         stack.prom.query(rule["query"])

@@ -13,7 +13,8 @@ Keys live in a YAML/JSON file (mounted from a Kubernetes Secret) that holds only
         adapters: [invoice-v2]      # LoRA adapters this key may use (null = any)
         revoked: false
 
-Callers send `Authorization: Bearer <key>` or `X-API-Key: <key>`. The file is re-read when it changes (Secret
+Callers send `Authorization: Bearer <key>` or `X-API-Key: <key>` (one key per request: repeated headers, or two
+different keys, are refused with 400 `ambiguous_credentials`). The file is re-read when it changes (Secret
 rotation swaps it atomically). `ocr-serve keys add|list|revoke` (service/admission/keys.py) manages it.
 
 With no key file configured the service runs open: every caller is the `anonymous` tenant with the `admin` role.
@@ -28,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -117,16 +118,36 @@ def load_key_file(path: Path) -> KeyFile:
     return parsed
 
 
-def key_from_headers(headers: Mapping[str, str]) -> str | None:
-    """The key from `Authorization: Bearer <key>` or `X-API-Key: <key>` (header names case-insensitive)."""
-    lowered = {k.lower(): v for k, v in headers.items()}
-    authorization = lowered.get("authorization", "").strip()
-    if authorization:
-        scheme, _, value = authorization.partition(" ")
+def _header_values(headers: Any, name: str) -> list[str]:
+    """Every value of header `name` (lower-case), repeated headers included: Starlette's request headers
+    (`getlist`), httpx's (`multi_items`), or a plain mapping that may hold one name in several spellings."""
+    if hasattr(headers, "getlist"):
+        return list(headers.getlist(name))
+    pairs = headers.multi_items() if hasattr(headers, "multi_items") else headers.items()
+    return [value for key, value in pairs if key.lower() == name]
+
+
+def key_from_headers(headers: Any) -> str | None:
+    """The key from `Authorization: Bearer <key>` or `X-API-Key: <key>` (header names case-insensitive).
+
+    A request with more than one key is refused with 400 `ambiguous_credentials` instead of picking one: a repeated
+    `Authorization` or `X-API-Key` header (proxies and frameworks disagree on which copy wins, so a key smuggled in
+    a second copy could be checked by one layer and used by another), or a bearer key and an `X-API-Key` that differ.
+    """
+    authorizations = _header_values(headers, "authorization")
+    api_keys = _header_values(headers, "x-api-key")
+    if len(authorizations) > 1 or len(api_keys) > 1:
+        raise OCRError("ambiguous_credentials", "send one API key, in one `Authorization` or `X-API-Key` header")
+    bearer = None
+    if authorizations:
+        scheme, _, value = authorizations[0].strip().partition(" ")
         if scheme.lower() == "bearer" and value.strip():
-            return value.strip()
-    api_key = lowered.get("x-api-key", "").strip()
-    return api_key or None
+            bearer = value.strip()
+    api_key = api_keys[0].strip() if api_keys else ""
+    if bearer and api_key and api_key != bearer:
+        raise OCRError("ambiguous_credentials", "the `Authorization` and `X-API-Key` headers carry different keys; "
+                       "send one")
+    return bearer or api_key or None
 
 
 def unauthorized(message: str) -> OCRError:

@@ -6,6 +6,7 @@ tests build it around a local engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from fastapi import FastAPI, Request
@@ -124,7 +125,19 @@ def error_response(error: OCRError) -> JSONResponse:
 
 
 def create_app(ctx: AppContext) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        """Background work of the replica (Serve runs the ASGI lifespan at replica start and stop)."""
+        if ctx.redis_watch is not None:
+            ctx.redis_watch.start()
+        try:
+            yield
+        finally:
+            if ctx.redis_watch is not None:
+                await ctx.redis_watch.close()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="HunyuanOCR service",
         version="0.1.0",
         description="OCR API: spotting, text, document parsing, tables, formulas, charts, field extraction, "

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Protocol
 
 from service.admission.auth import ANONYMOUS, Principal
 from service.admission.ratelimit import LocalTokenBucket, Limiter
+from service.admission.redis_state import RedisStateWatch
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
 from service.metrics import IngressMetrics
 from service.settings import Settings
@@ -52,6 +53,7 @@ class AppContext:
     engine: EngineClient
     authenticator: Authenticator = field(default_factory=OpenAuthenticator)
     limiter: Limiter = field(default_factory=LocalTokenBucket)
+    redis_watch: RedisStateWatch | None = None  # notices Redis restarts and state loss; runs while the app does
     engine_info: EngineInfo | None = None
     draining: bool = False  # set on SIGTERM: readiness fails, new work is refused
     in_flight: int = 0  # HTTP requests admitted and not yet answered (drain waits for 0)

@@ -1,14 +1,20 @@
-"""Liveness, readiness and model listing."""
+"""Liveness, readiness and model listing.
+
+`/healthz` and `/readyz` answer without a key (probes carry none; they show the engine kind and the base model name,
+nothing tenant-specific). `/v1/models` needs a key when the service has a key file: adapter names are tenants'
+business, and it lists only the adapters the calling key may use.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service.api.context import AppContext
+from service.errors import openapi_error_responses
 
 READY_TIMEOUT_S = 30.0
 
@@ -34,10 +40,12 @@ def make_router(ctx: AppContext) -> APIRouter:
         return {"status": "ready", "engine": info.name, "model": info.model,
                 "check_ms": round((time.perf_counter() - started) * 1000, 1), "in_flight": ctx.in_flight}
 
-    @router.get("/v1/models", summary="Base model and LoRA adapters (OpenAI format)")
-    async def models():
+    @router.get("/v1/models", summary="Base model and the LoRA adapters the calling key may use (OpenAI format)",
+                responses=openapi_error_responses(400, 401))
+    async def models(request: Request):
+        principal = ctx.authenticator.authenticate(request.headers)
         info = await ctx.get_engine_info()
-        adapters = await ctx.engine.list_adapters()
+        adapters = [name for name in await ctx.engine.list_adapters() if principal.may_use_adapter(name)]
         data = [{"id": info.model, "object": "model", "owned_by": "ocr-service", "root": info.model, "parent": None}]
         data += [{"id": name, "object": "model", "owned_by": "ocr-service", "root": name, "parent": info.model}
                  for name in adapters]

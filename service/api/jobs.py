@@ -200,21 +200,24 @@ def make_router(ctx: AppContext) -> APIRouter:
         principal = ctx.authenticator.authenticate(request.headers)
         await owned(job_id, principal)
         start = resume_index(request.headers.get("last-event-id", ""))
-        return StreamingResponse(_events(job_id, start), media_type="text/event-stream",
+        return StreamingResponse(_events(job_id, start, request.headers), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(job_id: str, next_index: int) -> AsyncIterator[str]:
-        """Pages strictly in order: page i is sent only after pages 0..i-1, however the engine finished them."""
+    async def _events(job_id: str, next_index: int, headers) -> AsyncIterator[str]:
+        """Pages strictly in order: page i is sent only after pages 0..i-1, however the engine finished them.
+        The key is checked again every round (the authenticator re-reads the key file at most once per
+        `api_keys_reload_interval_s`): a stream ends with an `unauthorized` event soon after its key is revoked."""
         last_sent = time.monotonic()
         while True:
             try:
+                principal = ctx.authenticator.authenticate(headers)
                 state = await store.get(job_id)
-                if state is None:
+                if state is None or (state[0].tenant != principal.tenant and principal.role != "admin"):
                     yield _sse("error", OCRError("not_found", "the job expired or was removed").body())
                     return
                 record, done, failed = state
                 pending = {p.index: p for p in await store.pages(job_id, next_index)}
-            except OCRError as exc:  # store unavailable: tell the client, it may reconnect with Last-Event-ID
+            except OCRError as exc:  # key revoked, or store unavailable (the client may reconnect with Last-Event-ID)
                 yield _sse("error", exc.body())
                 return
             while next_index in pending:

@@ -6,6 +6,11 @@ and every page ends with exactly one stored `PageResult`.
 
 Cancellation: `DELETE` sets the store's cancel flag (any replica); the runner checks it every `CANCEL_POLL_S` and
 also gets cancelled directly when the DELETE lands on its own replica. In-flight engine calls are cancelled with it.
+
+Lost state: at every heartbeat the runner checks that the job's record is still stored. When Redis restarted or
+failed over without its data (or evicted the job), the results of the pages done so far are gone: the runner stops
+the job and writes it back as failed `job_lost`, every page without a stored result failed with the same code, so
+clients and the webhook learn why instead of finding a 404 (counted in `ocr_jobs_lost_total`).
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ class JobRunner:
         job_id = record.id
         now = time.time()
         await self.store.update(job_id, status="running", updated_at=now, heartbeat_at=now)
-        watcher = asyncio.create_task(self._watch(job_id, asyncio.current_task()))
+        lost = asyncio.Event()  # set by the watcher when the store no longer holds the job
+        watcher = asyncio.create_task(self._watch(job_id, asyncio.current_task(), lost))
         page_tasks: list[asyncio.Task] = []
         cancelled = False
         try:
@@ -120,28 +126,47 @@ class JobRunner:
                 task.cancel()
             await asyncio.gather(*page_tasks, return_exceptions=True)
         try:
-            await self._finish(record, cancelled or await self.store.cancel_requested(job_id))
+            if lost.is_set():
+                await self._record_lost(record)
+            else:
+                await self._finish(record, cancelled or await self.store.cancel_requested(job_id))
         except Exception:
             log.exception("could not record the end of job %s", job_id)
+
+    async def _fail_missing_pages(self, record: JobRecord, error: ErrorInfo) -> None:
+        """Never lose a page silently: every page without a stored result gets a failed one."""
+        stored = {p.index for p in await self.store.pages(record.id)}
+        for index, number in enumerate(record.pages):
+            if index not in stored:
+                await self.store.put_page(record.id, PageResult(index=index, page=number, status="failed",
+                                                                attempts=0, error=error))
+
+    async def _record_lost(self, record: JobRecord) -> None:
+        now = time.time()
+        error = ErrorInfo(code="job_lost", message="the job store (Redis) lost this job's state (restart or "
+                          "failover without its data); the results of its pages are gone: resubmit the job")
+        await self.store.restore(record.model_copy(update={"status": "failed", "error": error, "updated_at": now,
+                                                           "heartbeat_at": now, "finished_at": now}))
+        await self._fail_missing_pages(record, error)
+        self.ctx.metrics.job_lost()
+        log.warning("job %s: its state vanished from the job store (Redis restart or failover without the data); "
+                    "stopped and marked failed `job_lost`", record.id)
 
     async def _finish(self, record: JobRecord, cancelled: bool) -> None:
         now = time.time()
         if cancelled:
             await self.store.update(record.id, status="cancelled", updated_at=now, finished_at=now)
             return
-        stored = {p.index for p in await self.store.pages(record.id)}
-        for index, number in enumerate(record.pages):  # never lose a page silently
-            if index not in stored:
-                await self.store.put_page(record.id, PageResult(
-                    index=index, page=number, status="failed", attempts=0,
-                    error=ErrorInfo(code="internal_error", message="the page was not processed (internal error)")))
+        await self._fail_missing_pages(record, ErrorInfo(code="internal_error",
+                                                         message="the page was not processed (internal error)"))
         state = await self.store.get(record.id)
         failed = state[2] if state else record.pages_total
         status = "succeeded" if failed == 0 else "failed" if failed >= record.pages_total else "partial"
         await self.store.update(record.id, status=status, updated_at=now, finished_at=now)
 
-    async def _watch(self, job_id: str, job_task: asyncio.Task | None) -> None:
-        """Heartbeat for readers on other replicas; cancel flag set by a DELETE on another replica."""
+    async def _watch(self, job_id: str, job_task: asyncio.Task | None, lost: asyncio.Event) -> None:
+        """Heartbeat for readers on other replicas; cancel flag set by a DELETE on another replica; the job's
+        record vanishing from the store (`lost`)."""
         last_beat = time.monotonic()
         while True:
             await asyncio.sleep(CANCEL_POLL_S)
@@ -151,6 +176,11 @@ class JobRunner:
                         job_task.cancel()
                     return
                 if time.monotonic() - last_beat >= HEARTBEAT_S:
+                    if not await self.store.exists(job_id):
+                        lost.set()
+                        if job_task is not None:
+                            job_task.cancel()
+                        return
                     await self.store.update(job_id, heartbeat_at=time.time())
                     last_beat = time.monotonic()
             except OCRError:  # store hiccup: try again next tick

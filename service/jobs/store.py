@@ -40,6 +40,13 @@ class JobStore(Protocol):
     async def get(self, job_id: str) -> tuple[JobRecord, int, int] | None:
         """(record, pages done, pages failed) or None when unknown or expired."""
 
+    async def exists(self, job_id: str) -> bool:
+        """Whether the job's record is stored (False once it expired or the store lost it)."""
+
+    async def restore(self, record: JobRecord) -> None:
+        """Write back a job the store lost (Redis restarted or failed over without its data): the record with its
+        state as given, the page counters recounted from the page results still stored."""
+
     async def update(self, job_id: str, **fields: Any) -> None:
         """Set mutable fields (status, updated_at, heartbeat_at, finished_at, error)."""
 
@@ -90,6 +97,14 @@ class MemoryJobStore:
         if not self._alive(job_id):
             return None
         return _merge(self._jobs[job_id])
+
+    async def exists(self, job_id: str) -> bool:
+        return self._alive(job_id)
+
+    async def restore(self, record: JobRecord) -> None:
+        pages = self._pages.setdefault(record.id, {})
+        self._jobs[record.id] = {"record": record.model_dump_json(), **_counts(pages.values())}
+        await self._touch(record.id)
 
     async def update(self, job_id: str, **fields: Any) -> None:
         if job_id in self._jobs:
@@ -180,6 +195,16 @@ class RedisJobStore:
             return None
         return _merge(fields)
 
+    async def exists(self, job_id: str) -> bool:
+        return bool(await self._run(self._redis.hexists(self._keys(job_id)[0], "record")))
+
+    async def restore(self, record: JobRecord) -> None:
+        job_key, _ = self._keys(record.id)
+        pages = await self.pages(record.id)
+        # whatever was written after the loss (counters, a stale status) is replaced as a whole
+        await self._run(self._redis.delete(job_key))
+        await self._write(record.id, {"record": record.model_dump_json(), **_counts(pages)})
+
     async def update(self, job_id: str, **fields: Any) -> None:
         if await self._run(self._redis.exists(self._keys(job_id)[0])):
             await self._write(job_id, {k: json.dumps(_plain(v)) for k, v in fields.items()})
@@ -208,6 +233,12 @@ class RedisJobStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _counts(pages) -> dict[str, str]:
+    """`done`/`failed` counter fields for these stored page results."""
+    pages = list(pages)
+    return {"done": str(len(pages)), "failed": str(sum(p.status == "failed" for p in pages))}
 
 
 def _plain(value: Any) -> Any:

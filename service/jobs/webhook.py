@@ -198,24 +198,35 @@ def _resolve(host: str, port: int) -> list[IPAddress]:
     return addresses
 
 
+# One answer for "does not resolve" and "resolves to a non-public address": two would let a client map internal DNS
+# (which names exist inside the cluster) through the error text. The operator's log keeps the distinction.
+UNREACHABLE_HOST = ("the webhook host does not resolve to public addresses only; only public addresses (or hosts "
+                    "in OCR_WEBHOOK_ALLOWED_HOSTS) may receive webhooks")
+
+
+def _refused_host(target: WebhookTarget, why: str) -> OCRError:
+    log.info("webhook refused at POST: host %r %s", target.host, why)  # the host only: paths may hold tokens
+    return _invalid(UNREACHABLE_HOST)
+
+
 async def validate_webhook(url: str, settings) -> WebhookTarget:
     """The checked, resolved and pinned webhook target, or 400 `invalid_webhook` (before any connection)."""
     target = parse_webhook_url(url)
     try:
         addresses = await asyncio.wait_for(asyncio.to_thread(_resolve, target.host, target.port),
                                            settings.webhook_timeout_s)
-    except (OSError, UnicodeError, ValueError, asyncio.TimeoutError) as exc:
-        raise _invalid(f"the webhook host {target.host!r} does not resolve") from exc
+    except asyncio.TimeoutError as exc:
+        raise _refused_host(target, f"did not resolve within {settings.webhook_timeout_s:g}s") from exc
+    except (OSError, UnicodeError, ValueError) as exc:
+        raise _refused_host(target, f"does not resolve ({type(exc).__name__})") from exc
     if not addresses:
-        raise _invalid(f"the webhook host {target.host!r} does not resolve")
+        raise _refused_host(target, "resolves to no address")
     names, networks = _allow_list(settings.webhook_allowed_hosts)
     if target.host not in names:  # an allow-listed name may resolve anywhere; otherwise every address is checked
         for ip in addresses:
             reason = address_denial(ip)
             if reason and not _allowed_address(ip, networks):
-                # the address itself is not echoed: the error must not be an oracle for internal DNS
-                raise _invalid(f"the webhook host {target.host!r} resolves to a non-public address ({reason}); only "
-                               "public addresses (or hosts in OCR_WEBHOOK_ALLOWED_HOSTS) may receive webhooks")
+                raise _refused_host(target, f"resolves to a non-public address ({reason})")
     return WebhookTarget(scheme=target.scheme, host=target.host, port=target.port,
                          explicit_port=target.explicit_port, target=target.target, address=str(addresses[0]))
 

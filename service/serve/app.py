@@ -324,12 +324,15 @@ def build_context(settings: Settings, engine_client) -> AppContext:
     """AppContext with the admission components the settings ask for."""
     from service.admission.auth import make_authenticator
     from service.admission.ratelimit import make_limiter
+    from service.admission.redis_state import make_redis_state_watch
 
     metrics = IngressMetrics.for_settings(settings)
     # limiter: Redis buckets (with failover) when redis_url is set, else this replica's share in-process;
-    # Redis failures are counted as `ocr_ratelimit_backend_errors_total`
+    # Redis failures are counted as `ocr_ratelimit_backend_errors_total`, Redis restarts and state losses as
+    # `ocr_redis_resets_total`
     return AppContext(settings=settings, engine=engine_client, authenticator=make_authenticator(settings),
                       limiter=make_limiter(settings, on_backend_error=metrics.limiter_backend_error),
+                      redis_watch=make_redis_state_watch(settings, on_change=metrics.redis_state_changed),
                       metrics=metrics)
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 from importlib import resources
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from service.admission.auth import key_from_headers
 from service.tasks import TASKS
 
 ASSETS = {  # the only files served: name → media type
@@ -44,18 +45,27 @@ def make_router(ctx) -> APIRouter:
         return Response(_asset("index.html"), media_type=ASSETS["index.html"], headers=SECURITY_HEADERS)
 
     @router.get("/ui/config.json")
-    async def config():
-        """What the page offers: tasks (and which the running engine supports), adapters, job limits."""
+    async def config(request: Request):
+        """What the page offers: tasks (and which the running engine supports), job limits, and the adapters the
+        typed key may use. The page loads before a key is typed, so without a key this answers what /readyz and
+        the API docs show anyway (engine kind, base model, tasks) and no adapters: their names are tenants'
+        business. A key that is sent must be valid (401 otherwise, so the page can say so)."""
+        auth_required = not getattr(ctx.authenticator, "open_mode", False)
+        principal = None
+        if not auth_required or key_from_headers(request.headers) is not None:
+            principal = ctx.authenticator.authenticate(request.headers)
         info = await ctx.get_engine_info()
-        try:
-            adapters = await ctx.engine.list_adapters()
-        except Exception:  # adapters are optional in the page
-            adapters = []
+        adapters: list[str] = []
+        if principal is not None:
+            try:
+                adapters = [name for name in await ctx.engine.list_adapters() if principal.may_use_adapter(name)]
+            except Exception:  # adapters are optional in the page
+                adapters = []
         tasks = [{"name": t.name, "description": t.description, "output": t.output,
                   "supported": t.name in info.supported_tasks} for t in TASKS.values()]
         return JSONResponse({"engine": info.name, "model": info.model, "tasks": tasks, "adapters": adapters,
-                             "max_pdf_pages": ctx.settings.max_pdf_pages,
-                             "auth_required": not getattr(ctx.authenticator, "open_mode", False)},
+                             "max_pdf_pages": ctx.settings.max_pdf_pages, "auth_required": auth_required,
+                             "authenticated": principal is not None},
                             headers={"Cache-Control": "no-cache"})
 
     @router.get("/ui/{name}")

@@ -26,25 +26,34 @@ function el(tag, attrs, text) {
   return node;
 }
 
+// Loaded at start and again when the key changes: adapter names come only with a valid key.
 async function loadConfig() {
+  let resp;
   try {
-    const resp = await fetch("/ui/config.json");
+    resp = await fetch("/ui/config.json", { headers: authHeaders() });
+    if (!resp.ok) {
+      setStatus("Could not load the service configuration: " + (await errorText(resp)), "error");
+      return;
+    }
     config = await resp.json();
   } catch (err) {
     setStatus("Could not load the service configuration: " + err, "error");
     return;
   }
+  if ($("status").className === "error") setStatus("Choose a file and press Run.");
   $("engine").textContent = `engine: ${config.engine} · model: ${config.model}` +
-    (config.auth_required ? " · API key required" : "");
+    (config.auth_required ? (config.authenticated ? " · API key accepted" : " · API key required") : "");
   const select = $("task");
+  const chosen = select.value;
+  select.replaceChildren();
   for (const task of config.tasks) {
     const option = el("option", { value: task.name }, task.name + (task.supported ? "" : " (not on this engine)"));
     if (!task.supported) option.disabled = true;
     select.appendChild(option);
   }
-  const firstSupported = config.tasks.find((t) => t.supported);
-  if (firstSupported) select.value = firstSupported.name;
-  for (const name of config.adapters || []) $("adapters").appendChild(el("option", { value: name }));
+  const keep = config.tasks.find((t) => t.supported && t.name === chosen) || config.tasks.find((t) => t.supported);
+  if (keep) select.value = keep.name;
+  $("adapters").replaceChildren(...(config.adapters || []).map((name) => el("option", { value: name })));
   onTaskChange();
 }
 
@@ -315,5 +324,6 @@ document.addEventListener("DOMContentLoaded", () => {
   $("form").addEventListener("submit", onSubmit);
   $("task").addEventListener("change", onTaskChange);
   $("cancel").addEventListener("click", onCancel);
+  $("api-key").addEventListener("change", loadConfig);
   loadConfig();
 });
