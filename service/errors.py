@@ -26,7 +26,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
                         "context for the image at its smallest and one output token."),
     "unknown_task": (400, "The `task` is not one of the documented tasks."),
     "unsupported_task": (400, "The task is known but the current engine cannot perform it."),
-    "invalid_schema": (400, "The extraction JSON Schema is not a valid schema or is too large."),
+    "invalid_schema": (400, "A JSON Schema (extraction `schema`, chat `response_format`) is invalid, too large or "
+                            "too deep, refers outside itself, or has a regex RE2 cannot match."),
     "invalid_pdf": (400, "The PDF is corrupt, encrypted or cannot be rasterised within limits."),
     "too_many_pages": (413, "The document has more pages than allowed."),
     "invalid_webhook": (400, "The job's `webhook` URL is refused: not http(s), has credentials, or resolves to a "

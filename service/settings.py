@@ -62,7 +62,13 @@ class Settings(BaseSettings):
         "`prompt_too_long`). Checked before the text is sanitised."
     )
     max_fields: int = Field(64, ge=1, description="Most fields one extraction request may name.")
-    max_schema_bytes: int = Field(32_768, ge=64, description="Largest JSON Schema accepted for extraction, in bytes.")
+    max_schema_bytes: int = Field(32_768, ge=64, description="Largest JSON Schema accepted (an extraction `schema`, "
+                                  "a chat `response_format` schema), in bytes.")
+    max_schema_validation_steps: int = Field(
+        50_000, ge=1_000, description="Budget for validating one model output against a tenant's JSON Schema: one "
+        "step per keyword evaluated, one per 512 characters × RE2 instructions a `pattern` scans (50 000 ≈ 0.5 s of "
+        "CPU at most; a 300-row table takes ≈ 6 000); past it the fields are reported unvalidated. Bounds schemas "
+        "whose `$ref`s fan out exponentially.")
 
     # --- admission: keys and rate limits -------------------------------------------------------------------------
     api_keys_file: Path | None = Field(

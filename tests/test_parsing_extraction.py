@@ -8,9 +8,11 @@ import math
 
 import pytest
 
+from service.admission.schemas import check_schema
 from service.engine.protocol import TokenLogprob
 from service.errors import OCRError
-from service.parsing.extraction import check_schema, coerce, extract_fields, parse_json_lenient
+from service.parsing.extraction import check_named_properties, coerce, extract_fields, parse_json_lenient
+from service.settings import Settings
 
 INVOICE_SCHEMA = {
     "type": "object",
@@ -124,11 +126,12 @@ def test_coercion(value, schema, expected):
     ({"type": "object", "properties": {"a": {"type": "no-such-type"}}}, "not a valid JSON Schema"),
     ({"type": "object"}, "properties"),
     ({"type": "object", "properties": {f"f{i}": {"type": "string", "description": "x" * 100} for i in range(400)}},
-     "exceeds"),
+     "at most 32768"),
 ])
 def test_bad_schemas_are_rejected(schema, message):
     with pytest.raises(OCRError) as err:
-        check_schema(schema, 32_768)
+        check_schema(schema, Settings(max_schema_bytes=32_768, max_fields=1000))
+        check_named_properties(schema)
     assert err.value.code == "invalid_schema" and message in err.value.message
 
 

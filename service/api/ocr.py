@@ -24,13 +24,14 @@ from service.admission.images import (DecodedImage, decode_base64_image, decode_
 from service.admission.limits import check_request_limits
 from service.admission.presize import presize, processor_size
 from service.admission.prompts import build_prompt, guided_json_for
+from service.admission.schemas import check_schema
 from service.api.context import AppContext
 from service.api.json_body import check_json_items, read_json_model, validation_error
 from service.api.protocol import OCRRequest, OCRResponse
 from service.engine.protocol import EngineInfo, EngineRequest, EngineResult
 from service.errors import OCRError, openapi_error_responses
 from service.metrics import STATE_TASK, STATE_TENANT
-from service.parsing.extraction import check_schema, schema_for_fields
+from service.parsing.extraction import check_named_properties, schema_for_fields
 from service.parsing.repetition import guard_result
 from service.parsing.result import PageGeometry, ParsedOutput, build_response, parse_engine_output
 from service.parsing.streaming import OutputStream
@@ -151,6 +152,8 @@ def _json_or(raw: str, default: Any, error: str | None = None) -> Any:
 
 async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
     check_request_limits(req, ctx.settings)  # sizes first: the same 4xx whatever the engine
+    if req.json_schema is not None:  # CPU work (metaschema, references, regexes): off the event loop
+        await asyncio.to_thread(check_schema, req.json_schema, ctx.settings)
     if req.task not in TASKS:
         raise OCRError("unknown_task", f"unknown task {req.task!r}; tasks: {', '.join(TASKS)}")
     info = await ctx.get_engine_info()
@@ -170,7 +173,7 @@ async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
     if req.fields is not None and len(req.fields) > ctx.settings.max_fields:
         raise OCRError("validation_error", f"at most {ctx.settings.max_fields} fields")
     if req.json_schema is not None:
-        check_schema(req.json_schema, ctx.settings.max_schema_bytes)
+        check_named_properties(req.json_schema)
     if req.include_raw and not ctx.settings.include_raw_output:
         raise OCRError("forbidden", "raw model output is disabled on this service (include_raw_output)")
 
@@ -286,6 +289,14 @@ async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tu
     return req, page, headers
 
 
+async def parse_output(ctx: AppContext, req: OCRRequest, result: EngineResult, geometry: PageGeometry) -> ParsedOutput:
+    """The engine's output parsed for the request's task, in a thread: an extraction is validated against the
+    tenant's schema (bounded by `max_schema_validation_steps`, but CPU work all the same)."""
+    return await asyncio.to_thread(parse_engine_output, req.task, result, geometry, fields=req.fields,
+                                   schema=req.json_schema,
+                                   max_validation_steps=ctx.settings.max_schema_validation_steps)
+
+
 def engine_stage_timings(result: EngineResult) -> dict[str, float]:
     """The parts of `engine` the engine measured itself (VLM engines): preprocess, time to first token, the engine
     core's first-to-last token time (generate) and how long its last token took to reach the engine (delivery)."""
@@ -330,7 +341,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         engine_total_ms = (time.perf_counter() - engine_started) * 1000
         parse_started = time.perf_counter()
         result = guard_result(result, ctx.settings)  # engines that could not cut a loop while generating
-        parsed = parse_engine_output(req.task, result, page.geometry, fields=req.fields, schema=req.json_schema)
+        parsed = await parse_output(ctx, req, result, page.geometry)
         if parsed.errors and req.task == "extract" and ctx.settings.extraction_guided_retry:
             result, parsed = await _guided_extraction_retry(ctx, req, page, result, parsed)
         parse_ms = (time.perf_counter() - parse_started) * 1000
@@ -405,7 +416,7 @@ async def _stream_events(ctx: AppContext, req: OCRRequest, page: PreparedPage, m
             final = output.cut_result()
         assert final is not None, "engine stream ended without a final result"
         final = guard_result(final, ctx.settings)  # a loop that closed between two guard checks
-        parsed = parse_engine_output(req.task, final, page.geometry, fields=req.fields, schema=req.json_schema)
+        parsed = await parse_output(ctx, req, final, page.geometry)
         timings = {"decode": page.decode_ms, "engine": final.engine_ms, **engine_stage_timings(final),
                    "total": (time.perf_counter() - started) * 1000}
         response = build_response(request_id=page.engine_request.request_id, model=req.adapter or model,
@@ -432,7 +443,7 @@ async def _guided_extraction_retry(ctx: AppContext, req: OCRRequest, page: Prepa
     retry_request = page.engine_request.model_copy(update={"guided_json": schema})
     with ctx.metrics.waiting_for_engine():
         retried = await ctx.engine.generate(retry_request)
-    reparsed = parse_engine_output(req.task, retried, page.geometry, fields=req.fields, schema=req.json_schema)
+    reparsed = await parse_output(ctx, req, retried, page.geometry)
     if reparsed.errors and len(reparsed.errors) >= len(parsed.errors or []):
         parsed.warnings.append("a guided-JSON retry did not validate better; the first answer is kept")
         return result, parsed

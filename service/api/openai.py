@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.admission.auth import Principal
 from service.admission.images import decode_base64_image, decode_image
 from service.admission.prompts import sanitize_user_text
+from service.admission.schemas import check_schema
 from service.api.context import AppContext
 from service.api.json_body import read_json_model
 from service.api.ocr import admit, first_event_then_rest, prepare_decoded_page, rate_limit_cost
@@ -177,6 +178,20 @@ def chat_inputs(req: ChatCompletionRequest, max_text_chars: int) -> tuple[str, s
     return images[0], "\n".join(texts)
 
 
+async def guided_json_of(ctx: AppContext, response_format: ResponseFormat | None) -> dict | None:
+    """The JSON Schema that guided decoding enforces, admitted like an extraction `schema` (size, depth, local
+    references only, RE2 patterns; off the event loop) before the engine's grammar compiler sees it."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"type": "object"}
+    if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+        raise OCRError("invalid_schema", "response_format.json_schema.schema is required")
+    schema = response_format.json_schema.schema_
+    await asyncio.to_thread(check_schema, schema, ctx.settings, where="response_format.json_schema.schema")
+    return schema
+
+
 async def resolve_adapter(ctx: AppContext, principal: Principal, model: str | None) -> str | None:
     """`model` → None for the base model, else the adapter name (which the caller must be allowed to use)."""
     info = await ctx.get_engine_info()
@@ -304,13 +319,7 @@ def make_router(ctx: AppContext) -> APIRouter:
         req: ChatCompletionRequest = await parse_body(request, ctx, ChatCompletionRequest, chat_shape)
         check_extensions(req, principal)
         image, text = chat_inputs(req, ctx.settings.max_text_field_chars)
-        guided = None
-        if req.response_format is not None and req.response_format.type == "json_schema":
-            if req.response_format.json_schema is None or req.response_format.json_schema.schema_ is None:
-                raise OCRError("invalid_schema", "response_format.json_schema.schema is required")
-            guided = req.response_format.json_schema.schema_
-        elif req.response_format is not None and req.response_format.type == "json_object":
-            guided = {"type": "object"}
+        guided = await guided_json_of(ctx, req.response_format)
         engine_request, headers, model = await prepare_openai_request(
             ctx, principal, image=image, user_text=text, model=req.model,
             max_tokens=req.max_completion_tokens or req.max_tokens, fields=req, logprobs=req.logprobs,

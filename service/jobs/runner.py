@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator
 from service.admission.auth import Principal
 from service.admission.images import DecodedImage
 from service.admission.pdf import PageRenderer, RenderedPage, page_pixel_budget
-from service.api.ocr import (PreparedPage, admit, build_response, parse_engine_output, prepare_decoded_page,
+from service.api.ocr import (PreparedPage, admit, build_response, parse_output, prepare_decoded_page,
                              rate_limit_cost, record_page)
 from service.api.protocol import OCRRequest
 from service.errors import OCRError
@@ -268,7 +268,7 @@ class JobRunner:
             result = await asyncio.wait_for(ctx.engine.generate(engine_request), ctx.settings.request_timeout_s)
         engine_total_ms = (time.perf_counter() - engine_started) * 1000
         parse_started = time.perf_counter()
-        parsed = parse_engine_output(req.task, result, prepared.geometry, fields=req.fields, schema=req.json_schema)
+        parsed = await parse_output(ctx, req, result, prepared.geometry)
         timings = {
             "render": rendered.render_ms,
             "decode": prepared.decode_ms,

@@ -21,7 +21,8 @@ import time
 
 from service.engine.protocol import EngineResult, TokenLogprob
 from service.errors import OCRError
-from service.parsing.extraction import check_schema
+from service.admission.schemas import check_schema
+from service.parsing.extraction import check_named_properties
 from service.parsing.repetition import guard_result
 from service.parsing.result import PageGeometry, build_response, parse_engine_output
 from service.tasks import TASKS
@@ -63,7 +64,8 @@ def cmd_parse(args: argparse.Namespace) -> int:
         try:
             with open(args.schema, encoding="utf-8") as fh:
                 schema = json.load(fh)
-            check_schema(schema, settings.max_schema_bytes)
+            check_schema(schema, settings)  # the service's admission: nothing a schema refers to is fetched
+            check_named_properties(schema)
         except (OSError, ValueError) as exc:
             return _fail(f"cannot read schema {args.schema}: {exc}")
         except OCRError as exc:
@@ -78,7 +80,8 @@ def cmd_parse(args: argparse.Namespace) -> int:
     geom = PageGeometry(args.width, args.height, max(1, round(args.width * args.scale)),
                         max(1, round(args.height * args.scale)))
     result = guard_result(result, settings)
-    parsed = parse_engine_output(args.task, result, geom, fields=fields, schema=schema)
+    parsed = parse_engine_output(args.task, result, geom, fields=fields, schema=schema,
+                                 max_validation_steps=settings.max_schema_validation_steps)
     response = build_response(request_id="replay", model="replay", task=args.task, result=result, geom=geom,
                               parsed=parsed, timings_ms={"parse": (time.perf_counter() - started) * 1000},
                               include_raw=args.include_raw)

@@ -1,8 +1,9 @@
 """Field extraction: the model's JSON → validated fields with per-field confidence.
 
 Request side: `fields: ["name", …]` (every name expected, any JSON type) or `schema: <JSON Schema>` (an object
-schema; its `properties` name the fields, `required` and `type`s are enforced). `check_schema` rejects a bad schema
-at admission (400 `invalid_schema`).
+schema; its `properties` name the fields, `required` and `type`s are enforced). service.admission.schemas rejects a
+bad, oversized or outward-referring schema at admission, `check_named_properties` one that names no fields (400
+`invalid_schema`).
 
 Output side, in order:
 1. find the JSON: inside a ```json fence if there is one, from the first `{`;
@@ -10,8 +11,8 @@ Output side, in order:
    brackets; an incomplete last member dropped); then Python-literal style (single quotes, True/None) as a last try;
 3. coerce simple types towards the schema (`"42"` → 42 for integer, `"1,234.50"` → 1234.5 for number, `"yes"` →
    true for boolean, 42 → `"42"` for string, `""` → null where null is allowed) — recursively through objects/arrays;
-4. validate with `jsonschema` (the schema's own draft) and report
-   `fields: {name: {value, confidence, valid}}` and `errors: ["name: message", …]`.
+4. validate (service.admission.schemas.output_errors: the schema's own draft, nothing fetched, RE2 regexes, a step
+   budget) and report `fields: {name: {value, confidence, valid}}` and `errors: ["name: message", …]`.
 A field's confidence is the geometric-mean probability of the tokens that wrote its value (service.parsing.confidence).
 """
 
@@ -23,9 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import jsonschema
-from jsonschema.validators import validator_for
-
+from service.admission.schemas import DEFAULT_VALIDATION_STEPS, SchemaValidationStopped, output_errors
 from service.api.protocol import FieldValue
 from service.engine.protocol import TokenLogprob
 from service.errors import OCRError
@@ -46,16 +45,8 @@ class ExtractionResult:
 
 # --- request side -------------------------------------------------------------------------------------------------
 
-def check_schema(schema: Any, max_bytes: int) -> None:
-    """400 `invalid_schema` unless `schema` is a valid JSON Schema for an object with named properties."""
-    if not isinstance(schema, dict):
-        raise OCRError("invalid_schema", "schema must be a JSON object")
-    if len(json.dumps(schema)) > max_bytes:
-        raise OCRError("invalid_schema", f"schema exceeds {max_bytes} bytes")
-    try:
-        validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise OCRError("invalid_schema", f"not a valid JSON Schema: {exc.message}") from None
+def check_named_properties(schema: dict) -> None:
+    """400 `invalid_schema` unless the (admitted) schema's `properties` name the fields to extract."""
     props = schema.get("properties")
     if not isinstance(props, dict) or not props:
         raise OCRError("invalid_schema", "schema needs `properties` naming the fields to extract")
@@ -264,7 +255,8 @@ def _value_end_fallback(text: str, start: int) -> int:
 
 
 def extract_fields(raw: str, *, fields: Sequence[str] | None, schema: dict | None,
-                   tokens: Sequence[TokenLogprob] | None = None) -> ExtractionResult:
+                   tokens: Sequence[TokenLogprob] | None = None,
+                   max_validation_steps: int = DEFAULT_VALIDATION_STEPS) -> ExtractionResult:
     names = list(schema["properties"]) if schema and isinstance(schema.get("properties"), dict) else list(fields or [])
     effective_schema = schema if schema else schema_for_fields(names)
     value, offset, notes = parse_json_lenient(raw)
@@ -277,10 +269,15 @@ def extract_fields(raw: str, *, fields: Sequence[str] | None, schema: dict | Non
             errors=[reason], text=raw.strip(), value=value, warnings=notes,
         )
     value = coerce(value, effective_schema)
-    validator = validator_for(effective_schema)(effective_schema)
     errors: list[str] = []
     invalid: set[str] = set()
-    for err in sorted(validator.iter_errors(value), key=lambda e: list(map(str, e.absolute_path))):
+    try:
+        found = output_errors(effective_schema, value, max_validation_steps)
+    except SchemaValidationStopped as exc:
+        found = []
+        invalid.update(names)
+        errors.append(f"(root): {exc}")
+    for err in sorted(found, key=lambda e: list(map(str, e.absolute_path))):
         path = [str(p) for p in err.absolute_path]
         if err.validator == "required" and not path:
             missing = [n for n in (err.validator_value or []) if n not in value]

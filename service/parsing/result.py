@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from service.admission.schemas import DEFAULT_VALIDATION_STEPS
 from service.api.protocol import ImageInfo, Line, OCRResponse, RawOutput, RawToken, Usage
 from service.engine.protocol import EngineLine, EngineResult
 from service.parsing.repetition import REPETITION_WARNING
@@ -74,8 +75,10 @@ def lines_from_engine(engine_lines: list[EngineLine], geom: PageGeometry) -> tup
 
 
 def parse_engine_output(task: str, result: EngineResult, geom: PageGeometry, *, fields: list[str] | None = None,
-                        schema: dict | None = None) -> ParsedOutput:
-    """Task-specific parsing of one engine result."""
+                        schema: dict | None = None,
+                        max_validation_steps: int = DEFAULT_VALIDATION_STEPS) -> ParsedOutput:
+    """Task-specific parsing of one engine result (CPU work: an extraction is validated against the tenant's schema
+    in up to `max_validation_steps`)."""
     if result.lines is not None:  # engine detected lines itself
         lines, warnings = lines_from_engine(result.lines, geom)
         confs = [ln.confidence for ln in lines if ln.confidence is not None]
@@ -84,7 +87,8 @@ def parse_engine_output(task: str, result: EngineResult, geom: PageGeometry, *, 
                             warnings=warnings)
     from service.parsing.vlm import parse_vlm_output
 
-    return parse_vlm_output(task, result, geom, fields=fields, schema=schema)
+    return parse_vlm_output(task, result, geom, fields=fields, schema=schema,
+                            max_validation_steps=max_validation_steps)
 
 
 def build_response(*, request_id: str, model: str, task: str, result: EngineResult, geom: PageGeometry,

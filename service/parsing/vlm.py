@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from service.admission.schemas import DEFAULT_VALIDATION_STEPS
 from service.api.protocol import Line
 from service.engine.protocol import EngineResult, TokenLogprob
 from service.parsing.confidence import document_confidence, span_confidence, token_spans
@@ -79,14 +80,16 @@ def parse_lines_output(raw: str, tokens: list[TokenLogprob] | None, geom: PageGe
 
 
 def parse_vlm_output(task: str, result: EngineResult, geom: PageGeometry, *, fields: list[str] | None = None,
-                     schema: dict | None = None) -> ParsedOutput:
+                     schema: dict | None = None,
+                     max_validation_steps: int = DEFAULT_VALIDATION_STEPS) -> ParsedOutput:
     """Task-specific parsing of a VLM engine's raw text (engines that return lines use result.lines instead)."""
     kind = TASKS[task].output if task in TASKS else "text"
     raw = result.text
     if kind == "lines":
         return parse_lines_output(raw, result.tokens, geom)
     if kind == "json":
-        extraction = extract_fields(raw, fields=fields, schema=schema, tokens=result.tokens)
+        extraction = extract_fields(raw, fields=fields, schema=schema, tokens=result.tokens,
+                                    max_validation_steps=max_validation_steps)
         return ParsedOutput(text=extraction.text, fields=extraction.fields, errors=extraction.errors,
                             confidence=document_confidence(result.tokens), warnings=extraction.warnings)
     return ParsedOutput(text=strip_fence(raw), confidence=document_confidence(result.tokens))
