@@ -1,51 +1,34 @@
-"""Entry point for every load test and benchmark (run from the repository root):
+"""Load tests and benchmarks of the OCR service, run from the repository root:
 
-    python -m loadtest run ...            headless load test against a running service (loadtest/run.py)
-    python -m loadtest locust ...         Locust with loadtest/locustfile.py (UI on :8089, or --headless)
-    python -m loadtest documents OUT ...  write sample test documents as PNG
-    python -m loadtest mps                does NVIDIA MPS work on this GPU machine (`bench gpu --variant LABEL:mps`)
-    python -m loadtest bench cpu ...      CPU benchmarks: embedded engine vs rapidocr, ingress overhead, vLLM-CPU
-    python -m loadtest bench gpu ...      H200 benchmark: raw vLLM vs our service vs HF generate (--tiny: CPU dry run)
-    python -m loadtest bench limiter ...  rate-limiter decisions/s (loadtest/bench_limiter.py)
-    python -m loadtest bench preprocess   image preprocessing images/s per backend and thread count (no GPU)
-    python -m loadtest bench encoder ...  the vision tower alone on the GPU: ms per image, kernels (vLLM + CUDA)
-    python -m loadtest bench engine-start how long an engine replica takes to start, with and without render processes
-    python -m loadtest bench pool A B     pool the rounds of several `bench gpu --parts pair` runs (no GPU)
-    python -m loadtest bench lora-kernels tune vLLM's Triton LoRA kernels for the model's layers on this GPU
+    python -m loadtest run ...            headless load test of a running service: closed or open loop, SLO goodput,
+                                          JSON + CSV + PNG (loadtest/run.py)
+    python -m loadtest locust ...         Locust with loadtest/locustfile.py (web UI on :8089, or --headless)
+    python -m loadtest documents OUT ...  write the generated test documents (ID cards, A4 pages) as PNG files
+    python -m loadtest bench gpu ...      raw `vllm serve` against the service with its defaults, paired, on one GPU
+                                          (--plan-only: the plan; --tiny: a dry run on vLLM-CPU)
+    python -m loadtest bench cpu ...      the embedded engine through the service against rapidocr called directly;
+                                          the serving stack's own cost with the mock engine
+    python -m loadtest bench limiter ...  the rate limiter's decisions/s and latency (Redis and in-process)
 
-`python -m loadtest CMD --help` lists each command's options; docs/BENCHMARKS.md has the exact commands behind
-the published numbers.
+`python -m loadtest COMMAND --help` lists a command's options; docs/BENCHMARKS.md has the commands behind the
+published numbers.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import signal
 import sys
 from pathlib import Path
 
-COMMANDS = {
-    "run": "loadtest.run",
-    "documents": "loadtest.documents",
-    "mps": "loadtest.mps",
-}
-BENCHMARKS = {
-    "cpu": "loadtest.bench_cpu",
-    "gpu": "loadtest.bench_gpu",
-    "limiter": "loadtest.bench_limiter",
-    "preprocess": "loadtest.bench_preprocess",
-    "encoder": "loadtest.profile_encoder",
-    "engine-start": "loadtest.engine_start",
-    "pool": "loadtest.pool_pairs",
-    "lora-kernels": "loadtest.lora_kernels",
-}
+# command → module whose main(argv) runs it (imported on use: the GPU comparison needs no Locust, Locust no vLLM)
+COMMANDS = {"run": "loadtest.run", "documents": "loadtest.documents"}
+BENCHMARKS = {"gpu": "loadtest.bench_gpu", "cpu": "loadtest.bench_cpu", "limiter": "loadtest.bench_limiter"}
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    # unwinds the `with` and `finally` blocks, so the servers a benchmark started (each in its own process group,
-    # out of reach of a signal to this one) are stopped too: `timeout` or a Ctrl-C'd wrapper must not leave a vLLM
-    # engine holding memory behind
+    # unwinds the `with` and `finally` blocks, so the servers a benchmark started (each in its own session, out of
+    # reach of a signal to this process) are stopped too: `timeout` must not leave a vLLM engine behind
     raise SystemExit(128 + signum)
 
 
@@ -63,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return locust_main()
     if command == "bench":
         if not rest or rest[0] not in BENCHMARKS:
-            print(f"usage: python -m loadtest bench {{{'|'.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+            print(f"usage: python -m loadtest bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
             return 2
         module, rest = BENCHMARKS[rest[0]], rest[1:]
     elif command in COMMANDS:
@@ -71,11 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2
-    entry = importlib.import_module(module).main
-    if inspect.signature(entry).parameters:
-        return entry(rest) or 0
-    sys.argv = [f"python -m loadtest {' '.join(argv[: len(argv) - len(rest)])}", *rest]  # main() reads sys.argv
-    return entry() or 0
+    return importlib.import_module(module).main(rest) or 0
 
 
 if __name__ == "__main__":

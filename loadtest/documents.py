@@ -228,7 +228,7 @@ def make_documents(kind: DocumentKind, count: int = 4, *, chars: int = MEDIUM_CH
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write sample documents as PNG files: `python -m loadtest.documents OUT_DIR [--kind a4] [--count 3]`."""
+    """Write sample documents as PNG files: `python -m loadtest documents OUT_DIR [--kind a4] [--count 3]`."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

@@ -14,8 +14,8 @@ body read). Goodput = share of the window's answers that succeeded within the SL
 shares of the window's answers. Closed loop also reports `docs_per_s_little` (clients ÷ mean latency, Little's law),
 which, unlike a count of answers, does not depend on where the window's edges fall when clients finish in waves.
 
-Targets: `ocr` posts our API (`POST /v1/ocr`, JSON body, optional API key); `openai` posts raw vLLM's
-`/v1/chat/completions` with the same image and prompt (benchmarks compare the two).
+Targets: `OCRTarget` posts the service's `POST /v1/ocr` (JSON body, optional API key); `OpenAIChatTarget` posts raw
+vLLM's `/v1/chat/completions` with the same image and prompt (bench gpu compares the two).
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ class Answer(NamedTuple):
 
 
 class Target(Protocol):
-    name: str
     path: str
 
     def headers(self) -> dict[str, str]: ...
@@ -99,10 +98,8 @@ class OCRTarget:
 
     api_key: str | None = None
     task_override: str | None = None
-    name: str = "service"
     path: str = "/v1/ocr"
     confidence: bool = True  # False: `confidence: false`, the engine computes no token logprobs
-    adapter: str | None = None  # a LoRA adapter the engine applies to every request
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -119,8 +116,6 @@ class OCRTarget:
             payload["max_tokens"] = job.max_tokens
         if not self.confidence:
             payload["confidence"] = False
-        if self.adapter:
-            payload["adapter"] = self.adapter
         return json.dumps(payload).encode()
 
     def check(self, status: int, payload: bytes) -> "Answer":
@@ -139,17 +134,15 @@ class OCRTarget:
 class OpenAIChatTarget:
     """Raw vLLM OpenAI server: `/v1/chat/completions`, the image as an `image_url` data URL, then the prompt text.
 
-    `prompts` maps a task to the exact text our service sends; `fixed_output` asks vLLM for exactly max_tokens
-    tokens (`ignore_eos` + `min_tokens`), matching the service's `bench_fixed_output_tokens`; `logprobs` asks for
-    the sampled tokens' logprobs, as our engine does for confidences."""
+    `prompts` maps a task to the exact text the service sends; `fixed_output` asks vLLM for exactly max_tokens
+    tokens (`ignore_eos` + `min_tokens`, what the service's `bench_fixed_output_tokens` asks of its engine);
+    `logprobs` asks for the sampled tokens' logprobs, as the service's engine does for confidences."""
 
     model: str
     prompts: dict[str, str]
     fixed_output: bool = True
-    logprobs: bool = True  # our engine asks vLLM for each sampled token's logprob (confidence): same work here
-    min_tokens: bool = True  # with fixed_output: also send min_tokens, as our engine's bench mode does
+    logprobs: bool = True
     mm_processor_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. the image processor backend
-    name: str = "raw-vllm"
     path: str = "/v1/chat/completions"
 
     def headers(self) -> dict[str, str]:
@@ -166,8 +159,8 @@ class OpenAIChatTarget:
             "max_tokens": max_tokens,
             "temperature": 0.0,
         }
-        if self.fixed_output:  # ignore_eos alone already runs to max_tokens; min_tokens adds vLLM's per-step check
-            payload.update(ignore_eos=True, **({"min_tokens": max_tokens} if self.min_tokens else {}))
+        if self.fixed_output:
+            payload.update(ignore_eos=True, min_tokens=max_tokens)
         if self.logprobs:
             payload.update(logprobs=True, top_logprobs=0)
         if self.mm_processor_kwargs:
@@ -262,33 +255,28 @@ async def _send(session, url: str, target: Target, request: Request, t0: float, 
         return Sample(start - t0, time.perf_counter() - start, 0, False, f"client_{type(exc).__name__}")
 
 
-def _session(concurrency_hint: int, fresh_connections: bool = False):
+def _session():
     import aiohttp
 
-    # one connection per in-flight request (no client-side queueing); keep-alive like a real client pool, or a new
-    # connection per request (several server processes behind one port each get some: the kernel spreads them)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=fresh_connections,
-                                     enable_cleanup_closed=True)
-    return aiohttp.ClientSession(connector=connector)
+    # one keep-alive connection per in-flight request, as a client pool keeps them (no client-side queueing)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, enable_cleanup_closed=True))
 
 
 async def run_closed(base_url: str, target: Target, requests: list[Request], concurrency: int, duration_s: float,
-                     warmup_s: float, timeout_s: float = 600.0, label: str = "", min_answers: int = 0,
-                     stop: asyncio.Event | None = None) -> StepResult:
+                     warmup_s: float, timeout_s: float = 600.0, label: str = "", min_answers: int = 0) -> StepResult:
     """`concurrency` clients send back to back until `duration_s`; in-flight requests are then cancelled.
 
     `min_answers`: the step goes on past `duration_s` (by at most `timeout_s`) until that many answers arrived
-    after the warm-up, so slow servers still yield numbers; the summary's window is the real one. `stop`: once set,
-    clients send nothing more and the step ends with their last answers (load held while something else runs)."""
+    after the warm-up, so slow servers still yield numbers; the summary's window is the real one."""
     url = base_url.rstrip("/") + target.path
     result = StepResult(label, "closed", concurrency, duration_s, warmup_s)
     counter = iter(range(10**12))
-    async with _session(concurrency) as session:
+    async with _session() as session:
         t0 = time.perf_counter()
         deadline = t0 + duration_s
 
         async def client() -> None:
-            while time.perf_counter() < deadline and not (stop and stop.is_set()):
+            while time.perf_counter() < deadline:
                 request = requests[next(counter) % len(requests)]
                 result.samples.append(await _send(session, url, target, request, t0, timeout_s))
 
@@ -299,7 +287,7 @@ async def run_closed(base_url: str, target: Target, requests: list[Request], con
             if not pending or answered >= min_answers or deadline - t0 >= duration_s + timeout_s:
                 break
             deadline += 0.5
-        result.duration_s = round(min(deadline, time.perf_counter()) - t0, 3)  # a stopped step ends early
+        result.duration_s = round(deadline - t0, 3)
         result.cancelled = len(pending)
         for task in pending:
             task.cancel()
@@ -319,7 +307,7 @@ async def run_open(base_url: str, target: Target, requests: list[Request], rate:
     async def one(request: Request, t0: float) -> None:
         result.samples.append(await _send(session, url, target, request, t0, timeout_s))
 
-    async with _session(max_in_flight) as session:
+    async with _session() as session:
         t0 = time.perf_counter()
         deadline = t0 + duration_s
         next_at = t0 + rng.expovariate(rate)
@@ -421,13 +409,10 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
 async def sweep(base_url: str, target: Target, requests: list[Request], *, mode: str, levels: list[float],
                 duration_s: float, warmup_s: float, slo_ms: float | None, label: str, timeout_s: float = 600.0,
                 cooldown_s: float = 1.0, on_step: Callable[[dict[str, Any]], None] | None = None,
-                deadline: float | None = None, min_answers: int = 0) -> list[dict[str, Any]]:
-    """Run one step per level; `deadline` (time.monotonic()) skips steps that would not finish before it."""
+                min_answers: int = 0) -> list[dict[str, Any]]:
+    """Run one step per level."""
     summaries = []
     for level in levels:
-        if deadline is not None and time.monotonic() + duration_s + cooldown_s > deadline:
-            summaries.append({"label": label, "mode": mode, "level": level, "skipped": "time budget"})
-            continue
         if mode == "closed":
             step = await run_closed(base_url, target, requests, int(level), duration_s, warmup_s, timeout_s, label,
                                     min_answers)
@@ -443,11 +428,10 @@ async def sweep(base_url: str, target: Target, requests: list[Request], *, mode:
 
 
 async def warm_up(base_url: str, target: Target, requests: list[Request], count: int, concurrency: int = 1,
-                  timeout_s: float = 900.0, fresh_connections: bool = False) -> list[Sample]:
-    """Unmeasured requests (first-request compilation, caches); raises if none succeeded. `fresh_connections`: a new
-    connection per request, so that every server process behind the port gets some."""
+                  timeout_s: float = 900.0) -> list[Sample]:
+    """Unmeasured requests (first-request compilation, caches), `concurrency` at a time; raises if none succeeded."""
     url = base_url.rstrip("/") + target.path
-    async with _session(concurrency, fresh_connections) as session:
+    async with _session() as session:
         t0 = time.perf_counter()
         samples: list[Sample] = []
         for start in range(0, count, concurrency):
@@ -458,132 +442,10 @@ async def warm_up(base_url: str, target: Target, requests: list[Request], count:
     return samples
 
 
-# --- paired comparison ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Arm:
-    """One server of a paired comparison: its name, URL, client and ready requests (the same documents, in the same
-    order, as every other arm's)."""
-
-    name: str
-    base_url: str
-    target: Target
-    requests: list[Request]
-
-
-async def run_paired(arms: list[Arm], duration_s: float, timeout_s: float = 900.0, seed: int = 0
-                     ) -> list[dict[str, Sample]]:
-    """One request in flight at a time, in rounds: each round sends the same document to every arm, one after the
-    other, in a new random order. Servers measured one after another drift apart on a shared machine (raw vLLM's
-    p50 at one client moved by 20-60 ms between device calls on the H200); interleaved this closely, a drift hits
-    every arm alike, and each round's differences keep what the servers themselves cost. Returns the rounds, each
-    {arm name: sample}."""
-    rng = random.Random(seed)
-    sessions = {arm.name: _session(1) for arm in arms}  # a keep-alive connection per server, as a client pool keeps
-    order = list(arms)
-    rounds: list[dict[str, Sample]] = []
-    try:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < duration_s:
-            rng.shuffle(order)
-            answers = {}
-            for arm in order:
-                request = arm.requests[len(rounds) % len(arm.requests)]
-                answers[arm.name] = await _send(sessions[arm.name], arm.base_url.rstrip("/") + arm.target.path,
-                                                arm.target, request, t0, timeout_s)
-            rounds.append(answers)
-    finally:
-        for session in sessions.values():
-            await session.close()
-    return rounds
-
-
 def per_stage(samples: list[Sample], stat: Callable[[list[float]], Any]) -> dict[str, Any]:
     """`stat` of each breakdown stage's times over the samples that report it (our API's timings_ms)."""
     return {stage: stat(values) for stage in BREAKDOWN_STAGES
             if (values := [s.stages_ms[stage] for s in samples if s.stages_ms and stage in s.stages_ms])}
-
-
-def paired_summary(rounds: list[dict[str, Sample]], names: list[str], resamples: int = 2000, seed: int = 0
-                   ) -> dict[str, Any]:
-    """Per arm: latency p50/mean/p95 over the rounds every arm answered, and where the server reports its timings
-    (our API) the p50s of the layers a request crosses: the engine's own time, the hop to the engine and back
-    (`queue`), the API handler's whole time, and what lay outside the handler (the HTTP front end: proxy, ASGI,
-    connection); per arm after the first (the reference): the median and mean of its per-round latency minus the
-    reference's, with bootstrap 95 % intervals of that median and mean (from the same resamples); the same for
-    every other pair of arms (`between`, "b − a" for a named before b); between the arms that report their engine
-    time, the same for the time outside the engine (`outside_engine`); and each arm's latency (and engine time) per
-    complete round, for later analysis."""
-    complete = [r for r in rounds if all(r[name].ok for name in names)]
-    out: dict[str, Any] = {"rounds": len(rounds), "complete_rounds": len(complete), "reference": names[0],
-                           "arms": {}, "differences": {}, "between": {},
-                           "rounds_ms": {name: [round(r[name].latency_s * 1000, 2) for r in complete]
-                                         for name in names}}
-    for name in names:
-        latencies = out["rounds_ms"][name]
-        samples = [r[name] for r in complete]
-        engine = [s.engine_ms for s in samples if s.engine_ms is not None]
-        hop = [s.stages_ms["queue"] for s in samples if s.stages_ms and "queue" in s.stages_ms]
-        handler = [s.handler_ms for s in samples if s.handler_ms is not None]
-        outside = [s.latency_s * 1000 - s.handler_ms for s in samples if s.handler_ms is not None]
-        out["arms"][name] = {
-            "errors": sum(not r[name].ok for r in rounds),
-            "p50_ms": _round(percentile(latencies, 50)),
-            "mean_ms": _round(float(np.mean(latencies)) if latencies else None),
-            "p95_ms": _round(percentile(latencies, 95)), "engine_p50_ms": _round(percentile(engine, 50)),
-            "engine_hop_p50_ms": _round(percentile(hop, 50)), "handler_p50_ms": _round(percentile(handler, 50)),
-            "outside_handler_p50_ms": _round(percentile(outside, 50)),
-            # means, to set beside a raw server's own histograms (bench_gpu.decode_per_token)
-            "output_tokens_mean": _round(float(np.mean(tokens)) if (tokens := [s.output_tokens for s in samples
-                                                                              if s.output_tokens]) else None),
-            "engine_ms_mean": _round(float(np.mean(engine)) if engine else None),
-            "stages_ms_mean": per_stage(samples, lambda values: _round(float(np.mean(values))))}
-    rng = random.Random(seed)
-
-    def interval(deltas: np.ndarray) -> dict[str, Any]:
-        picks = np.array([[rng.randrange(len(deltas)) for _ in deltas] for _ in range(resamples)])
-        medians, means = np.sort(np.median(deltas[picks], axis=1)), np.sort(deltas[picks].mean(axis=1))
-        low, high = int(0.025 * resamples), int(0.975 * resamples) - 1
-        return {"median_ms": _round(float(np.median(deltas))), "mean_ms": _round(float(np.mean(deltas))),
-                "ci95_ms": [_round(float(medians[low])), _round(float(medians[high]))],
-                "mean_ci95_ms": [_round(float(means[low])), _round(float(means[high]))]}
-
-    if complete:
-        for label, a, b in paired_labels(names):
-            deltas = np.array([(r[b].latency_s - r[a].latency_s) * 1000 for r in complete])
-            out["differences" if a == names[0] else "between"][label] = interval(deltas)
-        # each server runs its own engine, and two engines on one GPU differ by a few ms; the time outside the
-        # engine, compared per round, is what the layers in front of it cost without that difference
-        timed = [name for name in names if all(r[name].engine_ms is not None for r in complete)]
-        out["engine_rounds_ms"] = {name: [round(r[name].engine_ms, 2) for r in complete] for name in timed}
-        out["outside_engine"] = {}
-        for _, a, b in paired_labels(timed):
-            deltas = np.array([(r[b].latency_s - r[a].latency_s) * 1000 - (r[b].engine_ms - r[a].engine_ms)
-                               for r in complete])
-            out["outside_engine"][f"{b} − {a}"] = interval(deltas)
-    return out
-
-
-def paired_labels(names: list[str]) -> list[tuple[str, str, str]]:
-    """(label, a, b) of each difference b − a that paired_summary reports, in its order: each arm after the first
-    against the first (labelled by the arm), then each against the arms between (labelled "b − a")."""
-    labels = []
-    for i, b in enumerate(names[1:], start=1):
-        labels.append((b, names[0], b))
-        labels += [(f"{b} − {a}", a, b) for a in names[1:i]]
-    return labels
-
-
-def difference_text(d: dict[str, Any], unit: str = "") -> tuple[str, str]:
-    """One paired difference (paired_summary) as report text: its median and its mean, each with its 95 % interval
-    (`unit` after each value, e.g. " ms" where no column header names it)."""
-    return (f"{d['median_ms']:+}{unit} ({d['ci95_ms'][0]:+} … {d['ci95_ms'][1]:+})",
-            f"{d['mean_ms']:+}{unit} ({d['mean_ci95_ms'][0]:+} … {d['mean_ci95_ms'][1]:+})")
-
-
-def _round(value: float | None, digits: int = 1) -> float | None:
-    return None if value is None else round(value, digits)
 
 
 # --- output -------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.fixtures.helm import (CHART_DIR, CRD_DIR, REPO, ci_values_files, find, is_custom, lint_chart,
+from tests.fixtures.helm import (CHART_DIR, CRD_DIR, CRD_FILES, REPO, ci_values_files, find, is_custom, lint_chart,
                                  load_values, render_chart, rendered_objects, validate_builtin,
                                  validate_custom_resource, validate_values)
 
@@ -342,8 +342,15 @@ def test_names_come_from_the_release():
     assert not names_one & names_two  # two releases can share a namespace
 
 
-def test_crds_are_found_beside_the_repository():
-    assert CRD_DIR.is_dir() and (CRD_DIR / "ray.io_rayservices.yaml").exists()
+def test_the_vendored_crds_are_in_the_repository_with_their_source():
+    """The chart is validated against CRDs inside the clone (nothing beside it), each named in the README with the
+    project it comes from and its version."""
+    assert CRD_DIR.resolve().is_relative_to(REPO.resolve())
+    readme = (CRD_DIR / "README.md").read_text()
+    for name in CRD_FILES.values():
+        assert (CRD_DIR / name).is_file(), name
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {name} |"))
+        assert ("ray-project/kuberay" in row or "prometheus-operator/prometheus-operator" in row) and "commit" in row
 
 
 def test_every_value_has_a_helm_docs_comment():

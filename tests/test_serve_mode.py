@@ -106,7 +106,7 @@ def test_replicas_run_at_the_priority_of_the_process_that_started_ray(embedded_u
 
     import psutil
 
-    from loadtest.resources import niceness, process_kind
+    from loadtest.common import niceness, process_kind
 
     replicas = {process_kind(child.pid): niceness(child.pid) for child in psutil.Process().children(recursive=True)
                 if process_kind(child.pid).startswith("ray::ServeReplica:ocr:")}
@@ -120,7 +120,7 @@ def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypa
     far over HAProxy's 16 KiB buffer), a stream its events, bad input its stable 4xx; HAProxy's stats and metrics
     listeners got free ports, not the fixed 8404/9101 (start_ray), so two services on one machine do not collide."""
     from loadtest.documents import make_documents
-    from loadtest.resources import process_kind
+    from loadtest.common import process_kind
 
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
     proc, url = start_service({"engine": "mock", "ingress_replicas": 2, "graceful_shutdown_timeout_s": 2},

@@ -27,7 +27,7 @@ def test_every_test_has_one_group_and_the_engine_tests_share_one(request):
         if uses_engines:
             engine_modules.add(path)
     if len(items) > 100:  # the whole suite: the engine tests of several modules are in it
-        assert {"tests/test_vllm_engine.py", "tests/test_bench_gpu.py"} <= engine_modules
+        assert {"tests/test_vllm_engine.py", "tests/test_loadtest_smoke.py"} <= engine_modules
         # xdist hands out the larger groups first: with two workers, the engine group (the critical path) must be
         # among the first two, or it starts after other modules and the run grows by their time
         sizes = collections.Counter(_groups(item)[0] for item in items)
