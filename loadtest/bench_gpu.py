@@ -643,7 +643,7 @@ def parser() -> argparse.ArgumentParser:
                    f"(default {COLD_START_S:g}s cold + {BESIDE_S:g}s per server beside the first; tiny "
                    f"{TINY_START_S:g}s)")
     p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540: a device "
-                   "call's 600 less a margin; tiny: none)")
+                   "call's 600 less a margin; tiny: none; 0: none)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
     return p
@@ -657,6 +657,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                           ("block_s", 3.0 if tiny else 6.0), ("budget_s", None if tiny else 540.0)):
         if getattr(args, name) is None:
             setattr(args, name, default)
+    args.budget_s = args.budget_s or None
     args.argv = argv
     return args
 

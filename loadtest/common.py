@@ -283,18 +283,12 @@ def _wait_or_port_taken(proc: ManagedProcess, url: str, timeout_s: float) -> Non
 
 def settings_env(settings: Mapping[str, Any]) -> dict[str, str]:
     """`OCR_*` variables for settings field values (lists/dicts as JSON, as pydantic-settings reads them)."""
-    env = {}
-    for name, value in settings.items():
-        if value is None:
-            continue
+    def text(value: Any) -> str:
         if isinstance(value, (dict, list)):
-            text = json.dumps(value)
-        elif isinstance(value, bool):
-            text = "true" if value else "false"
-        else:
-            text = str(value)
-        env[f"OCR_{name.upper()}"] = text
-    return env
+            return json.dumps(value)
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return {f"OCR_{name.upper()}": text(value) for name, value in settings.items() if value is not None}
 
 
 # `--variant` presets of the benchmarks: the chart's HTTP front end; and that with one replica per engine

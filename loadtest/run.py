@@ -463,9 +463,7 @@ def write_outputs(out_dir: Path, steps: list[dict[str, Any]], meta: dict[str, An
     with paths["csv"].open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        for step in steps:
-            if "skipped" not in step:
-                writer.writerow(step)
+        writer.writerows(steps)
     if plot:
         try:
             plot_steps(steps, out_dir / "summary.png", title=meta.get("title", "load test"))
@@ -483,24 +481,23 @@ def plot_steps(steps: list[dict[str, Any]], path: Path, title: str = "") -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [s for s in steps if "skipped" not in s]
-    labels = list(dict.fromkeys(s["label"] for s in done))
+    labels = list(dict.fromkeys(s["label"] for s in steps))
     fig, ax = plt.subplots(figsize=(8, 4.8), dpi=100)
     ax2 = ax.twinx()
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, label in enumerate(labels):
-        rows = sorted((s for s in done if s["label"] == label), key=lambda s: s["level"])
+        rows = sorted((s for s in steps if s["label"] == label), key=lambda s: s["level"])
         xs = [s["level"] for s in rows]
         colour = colours[i % len(colours)]
         ax.plot(xs, [s["docs_per_s"] or 0 for s in rows], "o-", color=colour, label=f"{label} docs/s")
         ax2.plot(xs, [s["latency_ms_p95"] if s["latency_ms_p95"] is not None else float("nan") for s in rows],
                  "s--", color=colour, alpha=0.7, label=f"{label} p95 ms")
-    modes = {s["mode"] for s in done}
+    modes = {s["mode"] for s in steps}
     ax.set_xlabel("concurrency (clients)" if modes == {"closed"} else "offered load (requests/s)"
                   if modes == {"open"} else "concurrency / offered load")
     ax.set_ylabel("throughput (docs/s)")
     ax2.set_ylabel("p95 latency (ms)")
-    if done and max(s["level"] for s in done) / max(1e-9, min(s["level"] for s in done)) >= 16:
+    if steps and max(s["level"] for s in steps) / max(1e-9, min(s["level"] for s in steps)) >= 16:
         ax.set_xscale("log", base=2)
     ax.set_ylim(bottom=0)
     ax2.set_ylim(bottom=0)
@@ -515,10 +512,6 @@ def plot_steps(steps: list[dict[str, Any]], path: Path, title: str = "") -> None
 
 
 def print_step(summary: dict[str, Any]) -> None:
-    if "skipped" in summary:
-        print(f"  {summary['label']:<28} {summary['mode']:<6} {summary['level']:>7g}  skipped ({summary['skipped']})",
-              flush=True)
-        return
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     print(f"  {summary['label']:<28} {summary['mode']:<6} {summary['level']:>7g}  {summary['docs_per_s']:>8.2f} docs/s"
           f"  p50 {fmt(summary['latency_ms_p50']):>6} p95 {fmt(summary['latency_ms_p95']):>6} "

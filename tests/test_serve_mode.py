@@ -119,8 +119,8 @@ def test_haproxy_takes_the_http_port_and_serves_the_whole_api(tmp_path, monkeypa
     port belongs to an haproxy process, not to Serve's proxy actor, and through it a real page gets its OCR (a body
     far over HAProxy's 16 KiB buffer), a stream its events, bad input its stable 4xx; HAProxy's stats and metrics
     listeners got free ports, not the fixed 8404/9101 (start_ray), so two services on one machine do not collide."""
-    from loadtest.documents import make_documents
     from loadtest.common import process_kind
+    from loadtest.documents import make_documents
 
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
     proc, url = start_service({"engine": "mock", "ingress_replicas": 2, "graceful_shutdown_timeout_s": 2},

@@ -125,9 +125,8 @@ def test_colocated_serves_the_whole_api_behind_haproxy_with_no_engine_deployment
     """`ocr-serve serve` with OCR_SERVE_TOPOLOGY=colocated and HAProxy (the chart's front end): HAProxy holds the
     port, one deployment runs, and through it a page gets its OCR, a stream its events, bad input its stable 4xx,
     an unknown adapter its 404, /readyz the engine's health; SIGTERM drains and stops it."""
-    from loadtest.common import port_holder, session_members, start_service
+    from loadtest.common import port_holder, process_kind, session_members, start_service
     from loadtest.documents import make_documents
-    from loadtest.common import process_kind
 
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
     proc, url = start_service({"engine": "mock", "serve_topology": "colocated", "graceful_shutdown_timeout_s": 2,
