@@ -8,6 +8,11 @@ import collections
 import pytest
 
 
+# fixtures (tests/fixtures) that start a process: Ray, Serve, redis-server, Prometheus, chromium
+SERVER_FIXTURES = {"ray_cluster", "serve_app", "embedded_url", "vllm_url", "redis_server", "redis_server_module",
+                   "prometheus_server", "ray_metrics_targets", "browser_context", "browser_page"}
+
+
 def _groups(item) -> list[str]:
     return [mark.args[0] for mark in item.iter_markers("xdist_group")]
 
@@ -28,10 +33,14 @@ def test_every_test_has_one_group_and_the_engine_tests_share_one(request):
             engine_modules.add(path)
     if len(items) > 100:  # the whole suite: the engine tests of several modules are in it
         assert {"tests/test_vllm_engine.py", "tests/test_loadtest_smoke.py"} <= engine_modules
-        # xdist hands out the larger groups first: with two workers, the engine group (the critical path) must be
-        # among the first two, or it starts after other modules and the run grows by their time
+        # xdist hands out the larger groups first, one per worker until a worker's group is almost done: every group
+        # larger than the engine group (the critical path) must start no server, so that the engine group waits
+        # seconds for a worker, not the minutes of a module that starts Ray, Redis, Prometheus or a browser
         sizes = collections.Counter(_groups(item)[0] for item in items)
-        assert "vllm-engines" in [group for group, _ in sizes.most_common(2)], sizes.most_common(3)
+        ahead = {group for group, size in sizes.items() if size > sizes["vllm-engines"]}
+        servers = {item.nodeid.split("::", 1)[0] for item in items if _groups(item)[0] in ahead and (
+            item.get_closest_marker("ray") or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())))}
+        assert not servers, f"groups larger than the engine group start servers: {sorted(servers)}"
 
 
 def test_under_loadgroup_the_groups_reach_xdists_test_ids(request):
