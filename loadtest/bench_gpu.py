@@ -413,6 +413,9 @@ class Bench:
                                   timeout_s=self.args.request_timeout_s)
             rounds_done = await run_paired(arms, self.args.pair_s, timeout_s=self.args.request_timeout_s)
             one = paired_summary(rounds_done, self.arms)
+            # what confidences cost each service at one client: its own rounds with and without them
+            one["confidence_cost"] = {arm: paired_summary(rounds_done, [arm.removesuffix("-noconf"), arm])[
+                "against_reference"].get(arm) for arm in self.arms if arm.endswith("-noconf") and arm != "raw-noconf"}
             self.results["workloads"][w.name]["one_client"] = one
             self.log(f"{w.name} one client: " + "; ".join(f"{n} p50 {a['p50_ms']} ms" for n, a in one["arms"].items()))
             self.save()
@@ -563,6 +566,10 @@ def report(results: dict[str, Any]) -> str:
                              f"{interval_text(d.get('median_ms'), d.get('ci95_ms', []), sign=True)} | "
                              f"{interval_text(d.get('docs_per_s_ratio'), d.get('docs_per_s_ratio_ci95', []))} | "
                              f"{a['errors']} |")
+            lines += ["", "Without confidences, against the same server with them, per round: " + "; ".join(
+                f"{arm} {interval_text(d['median_ms'], d['ci95_ms'], ' ms', sign=True)}, docs/s "
+                f"{interval_text(d['docs_per_s_ratio'], d['docs_per_s_ratio_ci95'])}"
+                for arm, d in one["confidence_cost"].items() if d)] if one.get("confidence_cost") else []
             lines.append("")
         levels = analysis.get(name, {}).get("levels", {})
         if levels:

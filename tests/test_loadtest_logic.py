@@ -300,7 +300,10 @@ def test_analysis_pairs_each_round_with_raws_and_checks_the_goals():
 def test_the_report_holds_the_tables_the_goals_and_what_was_dropped():
     results = fake_results()
     results["analysis"] = bench_gpu.analyse(results, ["raw", "service"])
+    results["workloads"]["id_card"]["one_client"]["confidence_cost"] = {"service-noconf": {
+        "median_ms": -12.0, "ci95_ms": [-20.0, -3.1], "docs_per_s_ratio": 1.05, "docs_per_s_ratio_ci95": [1.01, 1.09]}}
     text = bench_gpu.report(results)
+    assert "with them, per round: service-noconf -12 ms (-20 … -3.1), docs/s 1.05 (1.01 … 1.09)" in text
     assert "## id_card: one client, 40 paired rounds" in text
     assert "| service | 254 | 251 | 260 | - | - | - | +4 (+3.1 … +5) | 0.984 (0.98 … 0.988) | 0 |" in text
     assert "| 16 | service |" in text and "÷ raw 0.98 (0.97 … 0.99) (n 2)" in text
