@@ -30,11 +30,30 @@ def pytest_collection_modifyitems(config, items):
     Under pytest-xdist (`tests/run.sh` runs two workers with `--dist loadgroup`) one worker runs the vLLM tests and
     the tests that start vLLM engines of their own (marker `own_engines`), one at a time as without xdist: two of
     them at once would not fit a 24 GB machine. Every other module is a group of its own, so its module-scoped
-    servers (redis, prometheus, chromium) start once. xdist hands out the larger groups first; the engine group is
-    one of the two largest (tests/test_suite_groups.py), so it starts at once, and the other worker runs the rest
-    meanwhile."""
+    servers (redis, prometheus, chromium) start once. The engine group goes to a worker first
+    (pytest_xdist_make_scheduler below), and the other worker runs the rest meanwhile."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
     for item in items:
         uses_engines = item.get_closest_marker("vllm") or item.get_closest_marker("own_engines")
-        group = "vllm-engines" if uses_engines else item.nodeid.split("::", 1)[0]
+        group = ENGINE_GROUP if uses_engines else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+ENGINE_GROUP = "vllm-engines"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` with the engine group handed out first, whatever its size: it is the run's critical path,
+    and xdist would otherwise hand out the larger groups first."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class EngineGroupFirst(LoadGroupScheduling):
+        def _assign_work_unit(self, node) -> None:
+            if ENGINE_GROUP in self.workqueue:
+                self.workqueue.move_to_end(ENGINE_GROUP, last=False)
+            super()._assign_work_unit(node)
+
+    return EngineGroupFirst(config, log)

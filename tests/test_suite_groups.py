@@ -3,14 +3,7 @@ group, so one worker runs them one at a time; every other test stays with its mo
 
 from __future__ import annotations
 
-import collections
-
 import pytest
-
-
-# fixtures (tests/fixtures) that start a process: Ray, Serve, redis-server, Prometheus, chromium
-SERVER_FIXTURES = {"ray_cluster", "serve_app", "embedded_url", "vllm_url", "redis_server", "redis_server_module",
-                   "prometheus_server", "ray_metrics_targets", "browser_context", "browser_page"}
 
 
 def _groups(item) -> list[str]:
@@ -33,14 +26,30 @@ def test_every_test_has_one_group_and_the_engine_tests_share_one(request):
             engine_modules.add(path)
     if len(items) > 100:  # the whole suite: the engine tests of several modules are in it
         assert {"tests/test_vllm_engine.py", "tests/test_loadtest_smoke.py"} <= engine_modules
-        # xdist hands out the larger groups first, one per worker until a worker's group is almost done: every group
-        # larger than the engine group (the critical path) must start no server, so that the engine group waits
-        # seconds for a worker, not the minutes of a module that starts Ray, Redis, Prometheus or a browser
-        sizes = collections.Counter(_groups(item)[0] for item in items)
-        ahead = {group for group, size in sizes.items() if size > sizes["vllm-engines"]}
-        servers = {item.nodeid.split("::", 1)[0] for item in items if _groups(item)[0] in ahead and (
-            item.get_closest_marker("ray") or SERVER_FIXTURES & set(getattr(item, "fixturenames", ())))}
-        assert not servers, f"groups larger than the engine group start servers: {sorted(servers)}"
+
+
+def test_under_loadgroup_the_engine_group_goes_to_a_worker_first(request):
+    """xdist hands out the largest groups first; the scheduler of tests/conftest.py hands out the engine group (the
+    critical path) before any other, so it never waits for a worker. Driven here with two groups larger than it."""
+    import types
+
+    scheduler = request.config.hook.pytest_xdist_make_scheduler(
+        config=types.SimpleNamespace(getvalue=lambda name: {"dist": "loadgroup", "tx": ["2*popen"]}[name],
+                                     option=request.config.option), log=None)
+    sent: list[list[int]] = []
+
+    class Worker:  # a worker node as the scheduler sees it: it sends test indexes to it
+        send_runtest_some = staticmethod(sent.append)
+
+    node = Worker()
+    collection = [f"tests/test_{name}.py::t{i}" for name, size in (("big", 3), ("bigger", 4), ("engine", 2))
+                  for i in range(size)]
+    scheduler.registered_collections[node] = collection
+    for group, size in (("tests/test_bigger.py", 4), ("tests/test_big.py", 3), ("vllm-engines", 2)):
+        scheduler.workqueue[group] = {nodeid: False for nodeid in collection
+                                      if nodeid.startswith(group if group != "vllm-engines" else "tests/test_engine")}
+    scheduler._assign_work_unit(node)
+    assert sent == [[7, 8]] and list(scheduler.workqueue) == ["tests/test_bigger.py", "tests/test_big.py"]
 
 
 def test_under_loadgroup_the_groups_reach_xdists_test_ids(request):
