@@ -30,6 +30,9 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
                             "too deep, refers outside itself, or has a regex RE2 cannot match."),
     "invalid_pdf": (400, "The PDF is corrupt, encrypted or cannot be rasterised within limits."),
     "too_many_pages": (413, "The document has more pages than allowed."),
+    "too_many_pixels": (413, "The request's images (or PDF pages, at the resolution they would be rendered at) "
+                        "together have more pixels than `max_request_pixels`; refused from their headers, before "
+                        "any is decoded."),
     "invalid_webhook": (400, "The job's `webhook` URL is refused: not http(s), has credentials, or resolves to a "
                         "non-public address that is not in the allow-list."),
     "ambiguous_credentials": (400, "The request carries more than one API key: a repeated `Authorization` or "
@@ -44,7 +47,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "validation_error": (422, "A field has an invalid value or type (out of range, too long, a string where a "
                          "number or boolean belongs, unknown field)."),
     "rate_limited": (429, "The tenant's token bucket is empty; retry after `Retry-After` seconds."),
-    "overloaded": (503, "All engine replicas are saturated; retry after `Retry-After` seconds."),
+    "too_many_jobs": (429, "The tenant already has `max_running_jobs_per_tenant` jobs running; retry after "
+                      "`Retry-After` seconds or once one of them has finished."),
+    "overloaded": (503, "All engine replicas are saturated, or this tenant's image and PDF work already fills its "
+                   "share of the ingress's admission queue; retry after `Retry-After` seconds."),
     "rate_limiter_unavailable": (503, "The rate-limit backend failed and fail mode is `closed`."),
     "engine_unavailable": (503, "No healthy engine replica could serve the request."),
     "job_store_unavailable": (503, "The job store (Redis) is unavailable; retry after `Retry-After` seconds."),

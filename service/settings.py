@@ -56,6 +56,24 @@ class Settings(BaseSettings):
         "its `{`, `[` and `,` bytes before it is parsed (413 `payload_too_large`): parsing costs CPU per item, and "
         "a body of tiny values at `max_body_bytes` would hold the ingress for seconds. A 32 KiB extraction schema "
         "has at most 16 000.")
+    max_request_pixels: int = Field(
+        500_000_000, ge=10_000, description="Decoded pixels one request may ask for in all: the sum over a job's "
+        "images (read from their headers) or PDF pages (at the DPI they would be rendered at), refused with 413 "
+        "`too_many_pixels` before anything is decoded. Bounds the decode and render work one job buys (fifty A4 "
+        "scans at 300 dpi are 435 MP); a single image is bounded by max_image_pixels."
+    )
+    admission_threads: int = Field(
+        4, ge=1, le=64, description="Threads of the ingress's admission pool, which runs every image decode and PDF "
+        "sandbox call (interactive requests and job pages), apart from asyncio's default executor."
+    )
+    admission_threads_per_tenant: int = Field(
+        2, ge=1, le=64, description="Admission pool threads one tenant may hold at once (at most admission_threads): "
+        "the rest stay free for other tenants, whose waiting work is taken in turn, one tenant after another."
+    )
+    admission_queue_per_tenant: int = Field(
+        32, ge=0, description="Admission work items (a decode, a PDF page) one tenant may have waiting for a "
+        "thread; more answer 503 `overloaded` with Retry-After (and the request's tokens are given back)."
+    )
     max_text_field_chars: int = Field(
         2000, ge=1, description="Longest free-text request field in characters: field names (422 "
         "`validation_error`), the text of a chat request's user messages and a completion's `prompt` (400 "
@@ -270,8 +288,27 @@ class Settings(BaseSettings):
     job_ttl_s: int = Field(3600, ge=10, description="How long job results are kept.")
     job_page_retries: int = Field(2, ge=0, description="Retries of a page whose engine call failed.")
     job_page_concurrency: int = Field(8, ge=1, description="Pages of one job in flight at once.")
+    job_pages_in_flight: int | None = Field(
+        None, ge=1, description="Job pages one ingress replica has at the engines at once, all jobs and tenants "
+        "together, granted to the tenants' jobs in turn. Interactive requests (/v1/ocr, OpenAI) take no slot: with "
+        "job pages filling fewer than all of the engines' request slots, they find a free one instead of queueing "
+        "behind a job backlog. None: half the engines' slots at their fewest replicas (max_ongoing_requests × "
+        "min_replicas / 2), shared by the ingress replicas (docs/JOBS.md, Fairness)."
+    )
+    max_running_jobs_per_tenant: int = Field(
+        4, ge=1, description="Jobs one tenant may have running at once (counted in Redis across ingress replicas "
+        "when redis_url is set); another one answers 429 `too_many_jobs`."
+    )
     pdf_render_timeout_s: float = Field(
         30.0, gt=0, description="PDF sandbox: longest time to open/parse/render one page before it counts as a bomb."
+    )
+    pdf_document_cpu_s: float = Field(
+        60.0, gt=0, description="PDF sandbox: CPU seconds one document may use in all (opening, loading and rendering "
+        "its pages, over every sandbox process it needs: RLIMIT_CPU); pages not rendered by then fail `invalid_pdf`."
+    )
+    pdf_document_timeout_s: float = Field(
+        120.0, gt=0, description="PDF sandbox: seconds the ingress may wait for one document's sandbox in all (a job's "
+        "pacing by the engine or the rate limit is not counted); pages not rendered by then fail `invalid_pdf`."
     )
     pdf_render_memory_mb: int = Field(
         1024, ge=256, description="PDF sandbox: address-space limit of the PDFium subprocess in MiB (PDF bombs)."
@@ -384,9 +421,19 @@ class Settings(BaseSettings):
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         if self.min_image_pixels > self.max_engine_image_pixels:
             raise ValueError("min_image_pixels must not exceed max_engine_image_pixels")
+        if self.admission_threads_per_tenant > self.admission_threads:
+            raise ValueError("admission_threads_per_tenant must not exceed admission_threads")
         if self.api_keys_file is not None and not self.api_keys_file.exists():
             raise ValueError(f"api_keys_file {self.api_keys_file} does not exist")
         return self
+
+    @property
+    def resolved_job_pages_in_flight(self) -> int:
+        if self.job_pages_in_flight is not None:
+            return self.job_pages_in_flight
+        if self.serve_topology == "colocated":  # each replica's own engine
+            return max(1, self.max_ongoing_requests // 2)
+        return max(1, self.max_ongoing_requests * max(1, self.min_replicas) // (2 * self.ingress_replicas))
 
     @property
     def resolved_engine_num_gpus(self) -> float:

@@ -50,7 +50,8 @@ def test_dpi_follows_the_image_budget_and_the_cap():
 def test_renders_pages_at_the_chosen_dpi():
     settings = Settings(engine="mock", max_pdf_dpi=100)
     data = text_pdf(3)  # A4 at 150 dpi: 1240x1754 px → 595x842 pt
-    info = pdf.inspect_pdf(data, settings, "2-3")
+    with pdf.PdfSession(data, settings, pages="2-3") as session:
+        info = session.open()
     assert info.page_count == 3 and [p.number for p in info.pages] == [2, 3]
     assert info.pages[0].width_pt == pytest.approx(595.2, abs=0.5)
     pages = list(pdf.render_pages(data, settings, [2, 3], max_pixels=50_000_000))

@@ -105,13 +105,8 @@ class DecodedImage:
         return self.image
 
 
-def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, max_side: int,
-                 max_frames: int, defer_pixels: bool = False) -> DecodedImage:
-    """Validate and decode image bytes. Raises OCRError with a stable code for every client mistake.
-
-    `defer_pixels`: a bare 8-bit RGB PNG is checked from its chunks (structure, CRCs, header limits) and its pixels
-    are left undecoded (`DecodedImage.pixels()` decodes them if the page needs a resize; otherwise the engine
-    decodes, and validates, them). Only for callers that hand the page to an engine right away."""
+def image_format(data: bytes, allowed_formats: list[str]) -> str:
+    """The image's real format (magic bytes) if it is an accepted image; OCRError otherwise."""
     if not data:
         raise OCRError("empty_image", "the image is empty")
     fmt = sniff_format(data)
@@ -121,6 +116,36 @@ def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, ma
         raise OCRError("unsupported_media_type", "PDF is handled by the PDF path, not as an image")
     if fmt not in allowed_formats:
         raise OCRError("unsupported_media_type", f"{fmt} images are not accepted")
+    return fmt
+
+
+def probe_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, max_side: int) -> tuple[str, int, int]:
+    """(format, width, height) from the image's header, its size limits checked, no pixel decoded: what a request
+    is charged by before it is decoded, and what a job's decoded-pixel budget counts. Width and height are before
+    any EXIF rotation (the pixel count is the same). Microseconds for a well-formed header; run it off the event
+    loop all the same (a hostile file can make a header parser walk megabytes of markers)."""
+    fmt = image_format(data, allowed_formats)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=[fmt]) as img:
+                width, height = img.size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise OCRError("image_too_large", "image exceeds the decompression limit") from exc
+    except Exception as exc:  # noqa: BLE001 — whatever a header parser raises on hostile bytes is the file's fault
+        raise OCRError("invalid_image", f"the {fmt} file could not be decoded (corrupt or truncated)") from exc
+    _check_size(width, height, max_pixels=max_pixels, max_side=max_side)
+    return fmt, width, height
+
+
+def decode_image(data: bytes, *, allowed_formats: list[str], max_pixels: int, max_side: int,
+                 max_frames: int, defer_pixels: bool = False) -> DecodedImage:
+    """Validate and decode image bytes. Raises OCRError with a stable code for every client mistake.
+
+    `defer_pixels`: a bare 8-bit RGB PNG is checked from its chunks (structure, CRCs, header limits) and its pixels
+    are left undecoded (`DecodedImage.pixels()` decodes them if the page needs a resize; otherwise the engine
+    decodes, and validates, them). Only for callers that hand the page to an engine right away."""
+    fmt = image_format(data, allowed_formats)
     # a bare PNG (no EXIF, 8-bit RGB) is already the engine's form: it may go on as it is, decoded here or not
     bare_size = bare_rgb_png_size(data) if fmt == "PNG" else None
     if defer_pixels and bare_size is not None:

@@ -1,16 +1,22 @@
 """PDF admission: bytes → validated page list → rasterised pages, every PDFium call inside a bounded sandbox.
 
-PDFium parses hostile input, so it never runs in the ingress process: a short-lived worker subprocess
+PDFium parses hostile input, so it never runs in the ingress process: a worker subprocess
 (`python -m service.admission.pdf`) opens the document under an address-space limit (RLIMIT_AS) and a CPU-time limit,
-and the parent kills it when a message does not arrive within `pdf_render_timeout_s`. A PDF bomb (nested Flate
+and the parent kills it when an answer does not arrive within `pdf_render_timeout_s`. A PDF bomb (nested Flate
 streams in a content stream, a huge embedded image) therefore ends as a dead worker and a 400 `invalid_pdf`, never as
 an ingress out of memory.
 
-Checks, in order: magic bytes and size (here, before any subprocess) → open (corrupt → `invalid_pdf`), encryption
-(any security handler → `invalid_pdf`), page count and `pages` range (`too_many_pages`), page boxes (larger than the
-PDF spec's 14 400 pt per side → `invalid_pdf`) → load each selected page (parses its content streams: the Flate bomb
-fires here) → render. The DPI is chosen per page from a pixel budget (the engine's image-token budget) and capped by
-`max_pdf_dpi`, so a page never renders larger than what the engine would keep.
+Work is bounded per document too (DocumentBudget): `pdf_document_cpu_s` CPU seconds over every worker the document
+needs (RLIMIT_CPU of each is what is left) and `pdf_document_timeout_s` seconds of waiting for them. A worker does
+nothing it was not asked for: it opens the document and reports its page boxes, which is cheap whatever the content
+streams hold, then loads or renders one page per command, so a caller pays (rate limit) before each page's work.
+
+Checks, in order: magic bytes, size and chained filters (here, before any subprocess) → open (corrupt →
+`invalid_pdf`), encryption (any security handler → `invalid_pdf`), page count (`single_page`: exactly one) and
+`pages` range (`too_many_pages`), page boxes → per page, on request: load (parses its content streams: the Flate bomb
+fires here; page box over the PDF spec's 14 400 pt per side → `invalid_pdf`) → render. The DPI is chosen per page
+from a pixel budget (the engine's image-token budget) and capped by `max_pdf_dpi`, so a page never renders larger
+than what the engine would keep.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import math
 import os
 import re
 import selectors
+import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -152,34 +160,66 @@ def page_pixel_budget(settings, engine_name: str, max_tokens: int | None = None)
 
 # --- parent side ----------------------------------------------------------------------------------------------------
 
-def _limits(settings) -> dict[str, Any]:
-    return {"memory_mb": settings.pdf_render_memory_mb, "cpu_s": max(1, math.ceil(settings.pdf_render_timeout_s)),
-            "max_pages": settings.max_pdf_pages}
+@dataclass
+class DocumentBudget:
+    """What one document may still spend in the sandbox, over every worker process it needs: CPU seconds (each
+    worker runs under RLIMIT_CPU set to what is left) and seconds the ingress waits for a worker's answer (time a job
+    spends waiting for the engine or its tenant's tokens is not counted: workers only work when asked)."""
+
+    cpu_s: float
+    wait_s: float
+
+    @classmethod
+    def for_settings(cls, settings) -> "DocumentBudget":
+        return cls(cpu_s=settings.pdf_document_cpu_s, wait_s=settings.pdf_document_timeout_s)
+
+    def exhausted(self) -> OCRError | None:
+        if self.cpu_s <= 0:
+            return OCRError("invalid_pdf", "the PDF used up its CPU budget (pdf_document_cpu_s) before this page: "
+                            "overly complex or hostile content")
+        if self.wait_s <= 0:
+            return OCRError("invalid_pdf", "the PDF used up its time budget (pdf_document_timeout_s) before this "
+                            "page: overly complex or hostile content")
+        return None
 
 
 class _Worker:
-    """One sandboxed PDFium subprocess; messages are length-prefixed JSON headers with an optional binary payload."""
+    """One sandboxed PDFium subprocess. It opens the document, answers with its page boxes, then does one command
+    at a time (load or render a page) until its stdin closes. Messages are length-prefixed JSON headers with an
+    optional binary payload."""
 
-    def __init__(self, request: dict[str, Any], data: bytes, timeout_s: float):
+    def __init__(self, request: dict[str, Any], data: bytes, timeout_s: float, budget: DocumentBudget):
         self.timeout_s = timeout_s
+        self.budget = budget
+        self.closed = False
+        self._status = 0
+        self._closing = threading.Lock()  # a request's cancel (event loop) may close it while its thread reads
         # a minimal environment: the sandbox needs no secrets (Redis URL, keys) to rasterise a page
         env = {k: v for k, v in os.environ.items() if k in _WORKER_ENV}
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        request = {**request, "cpu_s": max(1, math.ceil(budget.cpu_s))}
         self.proc = subprocess.Popen([sys.executable, "-m", "service.admission.pdf"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, close_fds=True)
         header = json.dumps(request).encode()
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(_HEADER.pack(len(header)) + header + _HEADER.pack(len(data)))
-            self.proc.stdin.write(data)
-            self.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass  # the worker died early; reading reports it
+        self._write(_HEADER.pack(len(header)) + header + _HEADER.pack(len(data)) + data)
         self._selector = selectors.DefaultSelector()
         assert self.proc.stdout is not None
         self._fd = self.proc.stdout.fileno()
         self._selector.register(self._fd, selectors.EVENT_READ)
+
+    def _write(self, raw: bytes) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(raw)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass  # the worker died; reading reports it
+
+    def command(self, command: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        raw = json.dumps(command).encode()
+        self._write(_HEADER.pack(len(raw)) + raw)
+        return self.read()
 
     def _read_exact(self, n: int, deadline: float) -> bytes:
         chunks, got = [], 0
@@ -195,9 +235,11 @@ class _Worker:
         return b"".join(chunks)
 
     def read(self) -> tuple[dict[str, Any], bytes]:
-        """Next message (an `error` message is returned, not raised); a dead, stuck or misbehaving worker raises
-        OCRError `invalid_pdf`."""
-        deadline = time.monotonic() + self.timeout_s
+        """Next message (an `error` message is returned, not raised); a dead, stuck or misbehaving worker, or one
+        past the document's budget, raises OCRError `invalid_pdf` (and is closed)."""
+        started = time.monotonic()
+        page_deadline = started + self.timeout_s
+        deadline = min(page_deadline, started + self.budget.wait_s)
         try:
             (size,) = _HEADER.unpack(self._read_exact(_HEADER.size, deadline))
             if size > _MAX_HEADER_BYTES:
@@ -206,120 +248,209 @@ class _Worker:
             payload = self._read_exact(header.get("nbytes", 0), deadline) if header.get("nbytes") else b""
         except TimeoutError:
             self.close()
+            if deadline < page_deadline:
+                raise OCRError("invalid_pdf", "the PDF used up its time budget (pdf_document_timeout_s): overly "
+                               "complex or hostile content") from None
             raise OCRError("invalid_pdf", f"rasterising the PDF took longer than {self.timeout_s:g}s per page "
                            "(PDF bomb or overly complex page)") from None
         except (EOFError, ValueError, OSError):
-            self.close()
+            status = self.close()
+            if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
+                self.budget.cpu_s = min(0.0, self.budget.cpu_s)  # its RLIMIT_CPU was what was left
+                raise OCRError("invalid_pdf", "the PDF used up its CPU budget (pdf_document_cpu_s): overly complex "
+                               "or hostile content") from None
             raise OCRError("invalid_pdf", "the PDF could not be processed within the memory and time limits "
                            "(PDF bomb, e.g. nested compressed streams, or a corrupt file)") from None
+        finally:
+            self.budget.wait_s -= time.monotonic() - started
         return header, payload
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self._selector.close()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+    def close(self) -> int:
+        """Stop the worker (killed: between commands it holds nothing worth a goodbye) and charge its CPU time to the
+        document; returns its wait status. Any thread; fast enough for the event loop. The worker is reaped here,
+        with os.wait4 for its CPU time, never through Popen.poll/wait."""
+        with self._closing:
+            if self.closed:
+                return self._status
+            self.closed = True
+            reaped = self._reap(os.WNOHANG)
+            if reaped is None:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                reaped = self._reap(0)
+            self._status, usage = reaped
+            self.proc.returncode = os.waitstatus_to_exitcode(self._status)
+            self.budget.cpu_s -= usage.ru_utime + usage.ru_stime
+            self._selector.close()
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                try:
+                    pipe.close()
+                except (OSError, AttributeError):
+                    pass
+            return self._status
+
+    def __del__(self):  # a session whose request went away before anyone closed it: no worker left behind
+        if not getattr(self, "closed", True):
+            self.close()
+
+    def _reap(self, options: int):
+        pid, status, usage = os.wait4(self.proc.pid, options)
+        return (status, usage) if pid else None
+
+    def kill(self) -> None:
+        """From any thread: a call blocked in `read` returns with an error."""
+        if not self.closed:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
-def inspect_pdf(data: bytes, settings, pages: str | None = None) -> PdfInfo:
-    """Validate the document and the selected pages (opened, boxes checked, content streams parsed) without
-    rendering. Raises OCRError: `invalid_pdf`, `too_many_pages`, `unsupported_media_type`, `payload_too_large`."""
-    check_pdf_bytes(data, settings.max_pdf_bytes)
-    worker = _Worker({"op": "inspect", "pages": pages, **_limits(settings)}, data, settings.pdf_render_timeout_s)
-    try:
-        header, _ = worker.read()
-        while header.get("type") == "progress":  # one per loaded page: the timeout is per page, not per document
-            header, _ = worker.read()
-    finally:
-        worker.close()
-    if header.get("type") == "error":
-        raise OCRError(header["code"], header["message"])
-    return PdfInfo(page_count=header["page_count"],
-                   pages=[PdfPage(p["number"], p["width_pt"], p["height_pt"]) for p in header["pages"]])
+class PdfSession:
+    """One document in the sandbox, page by page, all under one DocumentBudget. Blocking: run the calls on the
+    admission pool (service/admission/workpool.py), one at a time.
 
-
-class PageRenderer:
-    """Rasterise pages one by one: iterate it (blocking; run it in a thread). The worker renders ahead only as far as
-    the pipe buffer allows, so memory stays bounded by the consumer's pace.
-
-    A page that cannot be rendered (the worker died, hung or refused it) is yielded with `error`; the worker is then
-    restarted for the following pages, so one bad page never loses the others. `stop()` (any thread) kills the
-    worker and ends the iteration.
+    `open()` starts a worker, which opens the document (corrupt or encrypted → `invalid_pdf`), counts its pages
+    (`single_page` and more than one → `too_many_pages`, without loading any page), selects the pages (`pages`
+    range) and reads their boxes (no content stream is parsed for that). `load(n)` parses a page's content streams,
+    `render(n, max_pixels)` rasterises it. A worker that dies or hangs on a page makes that page fail alone; the next
+    call starts a fresh one while the document's budget lasts. `stop()` (any thread) kills the worker and ends the
+    session; `close()` ends it normally.
     """
 
-    def __init__(self, data: bytes, settings, numbers: list[int], max_pixels: int):
+    def __init__(self, data: bytes, settings, *, pages: str | None = None, single_page: bool = False,
+                 budget: DocumentBudget | None = None):
+        check_pdf_bytes(data, settings.max_pdf_bytes)
         self._data = data
         self._settings = settings
-        self._numbers = list(numbers)
-        self._max_pixels = max_pixels
+        self._pages_spec = pages
+        self._single_page = single_page
+        self.budget = budget or DocumentBudget.for_settings(settings)
+        self.info: PdfInfo | None = None
         self._worker: _Worker | None = None
         self._stopped = False
 
-    def stop(self) -> None:
-        self._stopped = True
-        worker = self._worker
-        if worker is not None and worker.proc.poll() is None:
-            worker.proc.kill()
+    def _start(self) -> _Worker:
+        s = self._settings
+        if self._stopped:
+            raise OCRError("invalid_pdf", "the document's processing was stopped")
+        spent = self.budget.exhausted()
+        if spent is not None:
+            raise spent
+        numbers = [p.number for p in self.info.pages] if self.info else None
+        request = {"pages": self._pages_spec, "numbers": numbers, "single_page": self._single_page,
+                   "memory_mb": s.pdf_render_memory_mb, "max_pages": s.max_pdf_pages}
+        worker = self._worker = _Worker(request, self._data, s.pdf_render_timeout_s, self.budget)
+        if self._stopped:  # stop() ran while the worker started
+            worker.close()
+            raise OCRError("invalid_pdf", "the document's processing was stopped")
+        header, _ = worker.read()
+        if header.get("type") == "error":
+            worker.close()
+            self._stopped = True  # the document itself failed: no page of it will do better
+            raise OCRError(header["code"], header["message"])
+        if self.info is None:
+            self.info = PdfInfo(page_count=header["page_count"],
+                                pages=[PdfPage(p["number"], p["width_pt"], p["height_pt"]) for p in header["pages"]])
+        return worker
 
-    def __iter__(self) -> Iterator[RenderedPage]:
+    def open(self) -> PdfInfo:
+        if self.info is None:
+            self._start()
+        assert self.info is not None
+        return self.info
+
+    def _command(self, command: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        worker = self._worker if self._worker is not None and not self._worker.closed else self._start()
+        try:
+            return worker.command(command)
+        finally:
+            if worker.closed:  # it died or hung on this page: the next call starts another
+                self._worker = None
+
+    def load(self, number: int) -> None:
+        """Parse the page's content streams (where a content-stream bomb goes off); OCRError when it cannot be."""
+        header, _ = self._command({"op": "load", "number": number})
+        if header.get("type") == "error":
+            raise OCRError(header["code"], header["message"])
+
+    def render(self, number: int, max_pixels: int) -> RenderedPage:
+        """The page as RGB pixels at the highest DPI within `max_pixels`, or with `error` (never raises for the
+        page's own failure)."""
         from PIL import Image
 
         s = self._settings
-        remaining = list(self._numbers)
-        while remaining and not self._stopped:
-            request = {"op": "render", "numbers": remaining, "max_pixels": self._max_pixels,
-                       "max_side": s.max_image_side, "max_dpi": s.max_pdf_dpi, **_limits(s)}
-            worker = self._worker = _Worker(request, self._data, s.pdf_render_timeout_s)
-            try:
-                while remaining and not self._stopped:
-                    number = remaining[0]
-                    try:
-                        header, payload = worker.read()
-                    except OCRError as exc:  # the worker died or hung on this page: report it, restart for the rest
-                        remaining.pop(0)
-                        yield RenderedPage(number=number, error=exc)
-                        break
-                    if header.get("type") == "error" and header.get("number") is None:  # the document failed
-                        error = OCRError(header["code"], header["message"])
-                        for failed in remaining:
-                            yield RenderedPage(number=failed, error=error)
-                        return
-                    if header.get("number") != number:  # protocol violation: treat like a crash
-                        remaining.pop(0)
-                        yield RenderedPage(number=number, error=OCRError("invalid_pdf", "the PDF renderer failed"))
-                        break
-                    remaining.pop(0)
-                    if header.get("type") == "error":
-                        yield RenderedPage(number=number, error=OCRError(header["code"], header["message"]))
-                        continue
-                    image = Image.frombytes("RGB", (header["width"], header["height"]), payload)
-                    yield RenderedPage(number=number, image=image, dpi=header["dpi"], render_ms=header["render_ms"])
-            finally:
-                worker.close()
-                self._worker = None
+        try:
+            header, payload = self._command({"op": "render", "number": number, "max_pixels": max_pixels,
+                                             "max_side": s.max_image_side, "max_dpi": s.max_pdf_dpi})
+        except OCRError as exc:
+            return RenderedPage(number=number, error=exc)
+        if header.get("number") != number:  # protocol violation: treat like a crash
+            self.close()
+            return RenderedPage(number=number, error=OCRError("invalid_pdf", "the PDF renderer failed"))
+        if header.get("type") == "error":
+            return RenderedPage(number=number, error=OCRError(header["code"], header["message"]))
+        image = Image.frombytes("RGB", (header["width"], header["height"]), payload)
+        return RenderedPage(number=number, image=image, dpi=header["dpi"], render_ms=header["render_ms"])
+
+    def stop(self) -> None:
+        """From any thread: kill the worker; every later call fails."""
+        self._stopped = True
+        worker = self._worker
+        if worker is not None:
+            worker.kill()
+
+    def close(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+
+    def __enter__(self) -> "PdfSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def rendered_size(page: PdfPage, settings, max_pixels: int) -> tuple[int, int]:
+    """Pixels the page would be rendered at (the DPI rule of the worker)."""
+    dpi = choose_dpi(page.width_pt, page.height_pt, max_dpi=settings.max_pdf_dpi, max_pixels=max_pixels,
+                     max_side=settings.max_image_side)
+    return max(1, round(page.width_pt * dpi / POINTS_PER_INCH)), max(1, round(page.height_pt * dpi / POINTS_PER_INCH))
 
 
 def render_pages(data: bytes, settings, numbers: list[int], max_pixels: int) -> Iterator[RenderedPage]:
-    """Rasterise the given pages in order (see PageRenderer)."""
-    return iter(PageRenderer(data, settings, numbers, max_pixels))
+    """Rasterise the given pages in order, each one failing alone (a document that cannot be opened fails them
+    all)."""
+    session = PdfSession(data, settings, pages=",".join(map(str, numbers)))
+    try:
+        try:
+            session.open()
+        except OCRError as exc:
+            for number in numbers:
+                yield RenderedPage(number=number, error=exc)
+            return
+        for number in numbers:
+            yield session.render(number, max_pixels)
+    finally:
+        session.close()
 
 
 def render_single_page(data: bytes, settings, max_pixels: int | None = None):
     """`POST /v1/ocr` with a PDF: the document must have exactly one page; returns a DecodedImage."""
     from service.admission.images import DecodedImage
 
-    check_pdf_bytes(data, min(settings.max_pdf_bytes, settings.max_body_bytes))
-    info = inspect_pdf(data, settings)
-    if info.page_count != 1:
-        raise OCRError("too_many_pages", f"the PDF has {info.page_count} pages; POST /v1/ocr takes single-page PDFs "
-                       "— use POST /v1/jobs for multi-page documents")
-    budget = max_pixels or min(settings.max_engine_image_pixels, settings.max_image_pixels)
-    (page,) = list(render_pages(data, settings, [1], budget))
+    budget = max_pixels or single_page_pixel_budget(settings)
+    with PdfSession(data, settings, single_page=True) as session:
+        session.open()
+        page = session.render(1, budget)
     if page.error is not None:
         raise page.error
     return DecodedImage(image=page.image, format="PDF", width=page.image.width, height=page.image.height)
+
+
+def single_page_pixel_budget(settings) -> int:
+    """What a single-page PDF on `POST /v1/ocr` is rendered to."""
+    return min(settings.max_engine_image_pixels, settings.max_image_pixels)
 
 
 # --- worker side (runs in the sandboxed subprocess) -------------------------------------------------------------------
@@ -351,35 +482,38 @@ def _page_box(doc, index: int) -> tuple[float, float]:
     return float(width), float(height)
 
 
-def _worker(request: dict[str, Any], data: bytes, out) -> None:
+def _worker(request: dict[str, Any], data: bytes, commands, out) -> None:
     import pypdfium2 as pdfium
 
     doc = _worker_open(pdfium, data)
     page_count = len(doc)
-    if request["op"] == "inspect":
-        numbers = parse_page_range(request.get("pages"), page_count, request["max_pages"])
-        pages = []
-        for number in numbers:
-            width, height = _page_box(doc, number - 1)
-            check_page_box(number, width, height)
-            page = doc[number - 1]  # FPDF_LoadPage parses the content streams (decompression happens here)
-            rotated = page.get_rotation() in (90, 270)
-            page.close()
-            pages.append({"number": number, "width_pt": height if rotated else width,
-                          "height_pt": width if rotated else height})
-            _send(out, {"type": "progress", "number": number})
-        _send(out, {"type": "info", "page_count": page_count, "pages": pages})
-        return
-    for number in request["numbers"]:
+    if request.get("single_page") and page_count != 1:
+        raise OCRError("too_many_pages", f"the PDF has {page_count} pages; POST /v1/ocr takes single-page PDFs — use "
+                       "POST /v1/jobs for multi-page documents")
+    numbers = request.get("numbers") or parse_page_range(request.get("pages"), page_count, request["max_pages"])
+    pages = []
+    for number in numbers:  # boxes only (rotation applied): no page is loaded, no content stream parsed
+        width, height = _page_box(doc, number - 1)
+        pages.append({"number": number, "width_pt": width, "height_pt": height})
+    _send(out, {"type": "info", "page_count": page_count, "pages": pages})
+    while True:
+        command = _read_command(commands)
+        if command is None:
+            return
+        number = command["number"]
         started = time.perf_counter()
         try:
             if not 1 <= number <= page_count:
                 raise OCRError("validation_error", f"page {number} does not exist")
             width, height = _page_box(doc, number - 1)
             check_page_box(number, width, height)
-            dpi = choose_dpi(width, height, max_pixels=request["max_pixels"], max_side=request["max_side"],
-                             max_dpi=request["max_dpi"])
-            page = doc[number - 1]
+            page = doc[number - 1]  # FPDF_LoadPage parses the content streams (decompression happens here)
+            if command["op"] == "load":
+                page.close()
+                _send(out, {"type": "loaded", "number": number})
+                continue
+            dpi = choose_dpi(width, height, max_pixels=command["max_pixels"], max_side=command["max_side"],
+                             max_dpi=command["max_dpi"])
             image = page.render(scale=dpi / POINTS_PER_INCH, may_draw_forms=True).to_pil().convert("RGB")
             page.close()
         except OCRError as exc:  # this page only; the next pages still render
@@ -388,6 +522,15 @@ def _worker(request: dict[str, Any], data: bytes, out) -> None:
         _send(out, {"type": "page", "number": number, "width": image.width, "height": image.height,
                     "dpi": round(dpi, 2), "render_ms": round((time.perf_counter() - started) * 1000, 2)},
               image.tobytes())
+        del image
+
+
+def _read_command(stdin) -> dict[str, Any] | None:
+    raw = stdin.read(_HEADER.size)
+    if len(raw) < _HEADER.size:
+        return None  # the parent closed our stdin: done
+    (size,) = _HEADER.unpack(raw)
+    return json.loads(stdin.read(size))
 
 
 def _worker_main() -> int:
@@ -400,11 +543,11 @@ def _worker_main() -> int:
     data = stdin.read(length)
     memory = request["memory_mb"] * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    # CPU seconds for the whole document: the per-message wall-clock timeout in the parent is the main bound
-    cpu = request["cpu_s"] * (1 + len(request.get("numbers") or [request["max_pages"]]))
+    # what is left of the document's CPU budget (the parent charges every worker's CPU time to it): SIGXCPU past it
+    cpu = request["cpu_s"]
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     try:
-        _worker(request, data, out)
+        _worker(request, data, stdin, out)
     except OCRError as exc:
         _send(out, {"type": "error", "code": exc.code, "message": exc.message})
     except MemoryError:

@@ -9,6 +9,11 @@
   per request) and the first successful probe puts the limiter back on Redis.
 
 A request that costs more than the whole bucket is charged the whole bucket (it could never be admitted otherwise).
+
+Requests pay before any work, from what is known then (image headers, a PDF's page boxes); `adjust` settles the
+difference once the real cost is known: a refund (capped at a full bucket) or a further charge that is taken even
+when the bucket cannot cover it (the work is done), leaving the bucket in debt down to minus one bucket, so the
+tenant's next requests wait for it.
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ class Decision:
 class Limiter(Protocol):
     async def acquire(self, tenant: str, cost: float, rate: float, burst: float) -> Decision: ...
 
+    async def adjust(self, tenant: str, delta: float, rate: float, burst: float) -> None:
+        """Take `delta` more tokens (negative: give them back) without a decision: tokens stay within
+        [-burst, burst]."""
+
+
     async def close(self) -> None: ...
 
 
@@ -78,6 +88,16 @@ class LocalTokenBucket:
             tokens -= cost
         self._buckets[tenant] = (tokens, now)
         return _decision(allowed, tokens, cost, rate, burst)
+
+    async def adjust(self, tenant: str, delta: float, rate: float, burst: float) -> None:
+        self.adjust_sync(tenant, delta, rate, burst)
+
+    def adjust_sync(self, tenant: str, delta: float, rate: float, burst: float) -> None:
+        rate, burst = rate * self._share, max(1.0, burst * self._share)
+        now = self._clock()
+        tokens, last = self._buckets.get(tenant, (burst, now))
+        tokens = min(burst, tokens + max(0.0, now - last) * rate)
+        self._buckets[tenant] = (max(-burst, min(burst, tokens - delta)), now)
 
     async def close(self) -> None:
         return None
@@ -116,6 +136,32 @@ redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl_ms))
 return {allowed, string.format('%.17g', tokens), string.format('%.17g', retry_after)}
 """
 
+# KEYS[1] = the tenant's bucket; ARGV = rate, burst, delta (tokens to take; negative gives them back). The bucket is
+# refilled to now first, then moved by delta within [-burst, burst]. Returns the tokens left.
+TOKEN_BUCKET_ADJUST_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local delta = tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1])
+local ts = tonumber(state[2])
+if tokens == nil or ts == nil then
+  tokens = burst
+  ts = now_us
+end
+local elapsed = math.max(0, now_us - ts) / 1000000
+tokens = math.min(burst, tokens + elapsed * rate)
+tokens = math.max(-burst, math.min(burst, tokens - delta))
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%d', now_us))
+-- from minus one bucket to a full one takes twice the refill time: the TTL below still covers it
+local ttl_ms = math.min(2592000000, math.max(1000, math.ceil(2000 * burst / rate)))
+redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl_ms))
+return string.format('%.17g', tokens)
+"""
+
 
 def bucket_key(prefix: str, tenant: str) -> str:
     """`<prefix>{<tenant>}`: the hash tag keeps a tenant's keys in one Redis Cluster slot; the tenant is
@@ -149,6 +195,7 @@ class RedisTokenBucket:
         self._client = client
         self._key_prefix = key_prefix
         self._script = client.register_script(TOKEN_BUCKET_LUA)  # EVALSHA, reloaded on NOSCRIPT
+        self._adjust_script = client.register_script(TOKEN_BUCKET_ADJUST_LUA)
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.05, key_prefix: str = "ocr:rl:") -> "RedisTokenBucket":
@@ -162,6 +209,9 @@ class RedisTokenBucket:
         allowed, tokens, retry_after = await self._script(keys=[self.key(tenant)], args=[rate, burst, cost])
         tokens = float(tokens)
         return Decision(bool(int(allowed)), burst, tokens, (burst - tokens) / rate, float(retry_after))
+
+    async def adjust(self, tenant: str, delta: float, rate: float, burst: float) -> None:
+        await self._adjust_script(keys=[self.key(tenant)], args=[rate, burst, delta])
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -214,6 +264,19 @@ class FailoverLimiter:
                         self._clock() - self._degraded_since)
             self._degraded_since = None
         return decision
+
+    async def adjust(self, tenant: str, delta: float, rate: float, burst: float) -> None:
+        """Best effort, like the bucket it settles: the local share while Redis is away (or closed: nothing to
+        settle, the request was refused or admitted by Redis)."""
+        now = self._clock()
+        if not self.degraded:
+            try:
+                await self.primary.adjust(tenant, delta, rate, burst)
+                return
+            except Exception as exc:  # the same handling as a failed acquire
+                self._record_failure(exc, now)
+        if self.fail_mode == "open":
+            self.fallback.adjust_sync(tenant, delta, rate, burst)
 
     def _record_failure(self, exc: BaseException, now: float) -> None:
         self.backend_errors += 1

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Protocol
 from service.admission.auth import ANONYMOUS, Principal
 from service.admission.ratelimit import LocalTokenBucket, Limiter
 from service.admission.redis_state import RedisStateWatch
+from service.admission.workpool import WorkPool
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
 from service.metrics import IngressMetrics
 from service.settings import Settings
@@ -59,6 +60,11 @@ class AppContext:
     in_flight: int = 0  # HTTP requests admitted and not yet answered (drain waits for 0)
     metrics: IngressMetrics = field(default_factory=IngressMetrics)  # off unless built for a Ray replica
     extras: dict[str, Any] = field(default_factory=dict)  # optional components (metrics, job store)
+    # every image decode and PDF sandbox call, shared fairly between tenants (service/admission/workpool.py)
+    work_pool: WorkPool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.work_pool = WorkPool.for_settings(self.settings)
 
     async def get_engine_info(self) -> EngineInfo:
         if self.engine_info is None:

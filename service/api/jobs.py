@@ -7,17 +7,20 @@
                                  with Last-Event-ID resumes), then one `done` event with the job summary
     DELETE /v1/jobs/{id}         cancel (pages already done stay readable)
 
-Admission happens before the 202, in request order: authenticate → read the form → validate the task → inspect the
-PDF in the sandbox (encrypted, page count, page boxes, content streams) or decode the images → pay for the first
-page (429 when the tenant's bucket is empty) → store the job → start the runner. Later pages are paid for as they
-are dispatched (the job is paced to the tenant's rate instead of failing). An optional `webhook` URL is checked and
-its host resolved and pinned right after the form is read (400 `invalid_webhook` for anything but a public http(s)
-address or an allow-listed host: service/jobs/webhook.py); the job's final state is POSTed there once it ends.
+Admission happens before the 202, in request order: authenticate → read the form → validate the task → take one of
+the tenant's running-job slots (429 `too_many_jobs` past `max_running_jobs_per_tenant`) → one token (429
+`rate_limited` when the tenant's bucket is empty; nothing of the files parsed yet) → on the admission pool, the images'
+headers or the PDF's page count and boxes in the sandbox (its first page loaded too: a content-stream bomb on it is a
+400 here), the decoded-pixel total checked against `max_request_pixels` (413 `too_many_pixels`) → the first page's
+estimated cost → store the job → start the runner. Nothing is decoded or rendered before the 202: the job keeps the
+upload, and later pages are paid for and decoded one at a time as they are dispatched (the job is paced to the
+tenant's rate instead of failing). An optional `webhook` URL is checked and its host resolved and pinned right after
+the form is read (400 `invalid_webhook` for anything but a public http(s) address or an allow-listed host:
+service/jobs/webhook.py); the job's final state is POSTed there once it ends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -27,11 +30,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.admission.auth import Principal
-from service.admission.budget import ImagePlan
-from service.admission.images import DecodedImage, decode_image, sniff_format
-from service.admission.pdf import choose_dpi, inspect_pdf, page_pixel_budget, parse_page_range
+from service.admission.images import probe_image, sniff_format
+from service.admission.pdf import PdfSession, check_page_box, page_pixel_budget, parse_page_range, rendered_size
+from service.admission.prompts import build_prompt
 from service.api.context import AppContext
-from service.api.ocr import admit, rate_limit_cost, request_from_form_fields, validate_task
+from service.api.ocr import Charge, plan_page, rate_limit_cost, request_from_form_fields, validate_task
+from service.api.protocol import OCRRequest
+from service.engine.protocol import EngineInfo
 from service.errors import OCRError, openapi_error_responses
 from service.jobs.model import TERMINAL, JobAccepted, JobRecord, JobView
 from service.jobs.runner import JobRunner, JobSource
@@ -42,6 +47,7 @@ from service.metrics import STATE_TASK, STATE_TENANT
 EVENTS_KEEPALIVE_S = 15.0
 JOB_MULTIPART_OVERHEAD_BYTES = 1024 * 1024  # form fields and part headers on top of the files themselves
 JOB_FIELDS = ("pages", "webhook", "return_page_images")  # form fields of jobs on top of the /v1/ocr ones
+JOB_CAP_RETRY_S = 5  # Retry-After of `too_many_jobs`: a job's pages take seconds
 
 
 def _multipart_schema() -> dict:
@@ -99,9 +105,58 @@ async def _read_form(request: Request, settings) -> tuple[dict[str, str], list[b
     return fields, files
 
 
-def _first_page_cost(ctx: AppContext, width: int, height: int) -> float:
-    """What page 1 costs at the bucket (later pages are paid as they are dispatched, from their real plan)."""
-    return rate_limit_cost(ctx, ImagePlan(width=width, height=height, scale=1.0, image_tokens=0, max_tokens=0))
+def probe_source(ctx: AppContext, req: OCRRequest, engine: EngineInfo, files: list[bytes], numbers: list[int] | None,
+                 pages_spec: str | None) -> JobSource:
+    """Blocking (admission pool): what the job's pages are, from headers only. Images: each selected one's header
+    (format, size limits). A PDF: opened in the sandbox, page count and boxes read, the first page loaded (its
+    content streams parsed: a bomb there is this request's 400); the session stays open for the runner. Either way the
+    pages' decoded pixels together must fit `max_request_pixels`, and each page is priced at its size."""
+    s = ctx.settings
+    if numbers is None:  # one PDF
+        render_pixels = page_pixel_budget(s, engine.name, req.max_tokens)
+        session = PdfSession(files[0], s, pages=pages_spec)
+        try:
+            info = session.open()
+            for page in info.pages:
+                check_page_box(page.number, page.width_pt, page.height_pt)
+            sizes = [rendered_size(page, s, render_pixels) for page in info.pages]
+            _check_pixels(sizes, s, "PDF pages at the resolution they are rendered at")
+            session.load(info.pages[0].number)
+            costs = _page_costs(ctx, req, engine, sizes)
+        except BaseException:
+            session.close()
+            raise
+        return JobSource(numbers=[p.number for p in info.pages], sizes=sizes, costs=costs, pdf=session,
+                         render_pixels=render_pixels)
+    images = [files[n - 1] for n in numbers]
+    sizes = []
+    for data in images:
+        _, width, height = probe_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
+                                       max_side=s.max_image_side)
+        sizes.append((width, height))
+    _check_pixels(sizes, s, "images")
+    return JobSource(numbers=numbers, sizes=sizes, costs=_page_costs(ctx, req, engine, sizes), images=images)
+
+
+def _page_costs(ctx: AppContext, req: OCRRequest, engine: EngineInfo, sizes: list[tuple[int, int]]) -> list[float]:
+    """What each page costs at the bucket, from its size. A page its plan refuses (aspect ratio, a prompt too long
+    for it) costs one token until it fails at its turn."""
+    prompt = None if engine.name == "embedded" else build_prompt(req, ctx.settings)  # one prompt for every page
+    costs = []
+    for width, height in sizes:
+        try:
+            plan, _, _ = plan_page(ctx, req, width, height, engine, prompt)
+            costs.append(rate_limit_cost(ctx, plan))
+        except OCRError:
+            costs.append(1.0)
+    return costs
+
+
+def _check_pixels(sizes: list[tuple[int, int]], settings, what: str) -> None:
+    total = sum(width * height for width, height in sizes)
+    if total > settings.max_request_pixels:
+        raise OCRError("too_many_pixels", f"the job's {what} have {total} pixels in all; at most "
+                       f"{settings.max_request_pixels} per request — send fewer or smaller pages")
 
 
 def make_router(ctx: AppContext) -> APIRouter:
@@ -140,41 +195,47 @@ def make_router(ctx: AppContext) -> APIRouter:
         info = await ctx.get_engine_info()
 
         formats = [sniff_format(data) for data in files]
+        numbers = None  # a PDF's pages are known once it is opened
         if "PDF" in formats:
             if len(files) != 1:
                 raise OCRError("invalid_request", "send one PDF per job, or images only")
-            pdf_info = await asyncio.to_thread(inspect_pdf, files[0], settings, pages_spec)
-            numbers = [p.number for p in pdf_info.pages]
-            first = pdf_info.pages[0]
-            dpi = choose_dpi(first.width_pt, first.height_pt, max_dpi=settings.max_pdf_dpi,
-                             max_pixels=page_pixel_budget(settings, info.name, req.max_tokens),
-                             max_side=settings.max_image_side)
-            source = JobSource(numbers=numbers, pdf=files[0])
-            first_size = (round(first.width_pt * dpi / 72), round(first.height_pt * dpi / 72))
         else:
             numbers = parse_page_range(pages_spec, len(files), settings.max_pdf_pages)
 
-            def decode_all() -> list[DecodedImage]:
-                return [decode_image(files[n - 1], allowed_formats=settings.allowed_formats,
-                                     max_pixels=settings.max_image_pixels, max_side=settings.max_image_side,
-                                     max_frames=settings.max_frames) for n in numbers]
-
-            images = await asyncio.to_thread(decode_all)
-            source = JobSource(numbers=numbers, images=images)
-            first_size = (images[0].width, images[0].height)
-        headers = await admit(ctx, principal, _first_page_cost(ctx, *first_size))
-
+        tenant = principal.tenant
         job_id = "job-" + uuid.uuid4().hex[:24]
-        record = JobRecord(id=job_id, tenant=principal.tenant, task=req.task, source="pdf" if source.pdf else "images",
-                           options=req.model_dump(mode="json", by_alias=True, exclude_none=True,
-                                                  exclude={"image", "stream"}),
-                           pages=numbers, return_page_images=return_images)
-        await store.create(record)
-        runner.start(record, req, source, principal, webhook)
-        accepted = JobAccepted(id=job_id, status=record.status, pages_total=len(numbers), pages=numbers,
+        if not await store.take_slot(tenant, job_id, settings.max_running_jobs_per_tenant):
+            raise OCRError("too_many_jobs", f"tenant {tenant!r} already has {settings.max_running_jobs_per_tenant} "
+                           "jobs running; retry once one has finished", headers={"Retry-After": str(JOB_CAP_RETRY_S)})
+        source = None
+        try:
+            charge = await Charge(ctx, principal).raise_to(1.0)  # an empty bucket: 429 before any file is parsed
+            try:
+                source = await ctx.work_pool.run(tenant, probe_source, ctx, req, info, files, numbers, pages_spec)
+            except OCRError as exc:
+                if exc.code == "overloaded":
+                    await charge.refund()
+                raise
+            await charge.raise_to(source.costs[0])
+            record = JobRecord(id=job_id, tenant=tenant, task=req.task, source="pdf" if source.pdf else "images",
+                               options=req.model_dump(mode="json", by_alias=True, exclude_none=True,
+                                                      exclude={"image", "stream"}),
+                               pages=source.numbers, return_page_images=return_images)
+            await store.create(record)
+        except BaseException:
+            if source is not None:
+                source.close()
+            try:
+                await store.release_slot(tenant, job_id)
+            except OCRError:  # the store is away: the slot's lease runs out on its own
+                pass
+            raise
+        runner.start(record, req, source, principal, charge, webhook)
+        accepted = JobAccepted(id=job_id, status=record.status, pages_total=len(source.numbers),
+                               pages=source.numbers,
                                links={"self": f"/v1/jobs/{job_id}", "events": f"/v1/jobs/{job_id}/events"})
         return JSONResponse(accepted.model_dump(mode="json"), status_code=202,
-                            headers={**headers, "Location": f"/v1/jobs/{job_id}"})
+                            headers={**charge.headers, "Location": f"/v1/jobs/{job_id}"})
 
     @router.get("/v1/jobs/{job_id}", response_model=JobView, summary="Job status and the results so far",
                 responses=openapi_error_responses(401, 403, 404))

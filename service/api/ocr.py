@@ -1,5 +1,7 @@
 """`POST /v1/ocr`: router and serving logic, in request order:
-read body → authenticate → validate task → decode image → budget/resize → rate limit → engine → parse → respond.
+read body → authenticate → validate task → one token (429 on an empty bucket) → image header / PDF page count and box
+(admission pool) → the estimated cost → decode or render (admission pool) → budget/resize → the real cost → engine →
+parse → respond.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -19,8 +21,8 @@ from pydantic import ValidationError
 
 from service.admission.auth import Principal
 from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm, prompt_token_bound
-from service.admission.images import (DecodedImage, decode_base64_image, decode_image, encode_png, resize_to,
-                                     sniff_format)
+from service.admission.images import (DecodedImage, decode_base64_image, decode_image, encode_png, probe_image,
+                                     resize_to, sniff_format)
 from service.admission.limits import check_request_limits
 from service.admission.presize import presize, processor_size
 from service.admission.prompts import build_prompt, guided_json_for
@@ -178,49 +180,105 @@ async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
         raise OCRError("forbidden", "raw model output is disabled on this service (include_raw_output)")
 
 
-def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineInfo,
-                 request_id: str) -> PreparedPage:
-    """CPU work of admission (run in a thread): decode, orient, budget, resize, re-encode, prompt."""
+@dataclass
+class Upload:
+    """What admission knows of an uploaded file before decoding it: its format and size in pixels (an image's
+    header; for a PDF its page box at the DPI it would be rendered at), and for a PDF the open sandbox session."""
+
+    data: bytes
+    format: str
+    width: int
+    height: int
+    pdf: Any = None  # service.admission.pdf.PdfSession
+
+    def close(self) -> None:
+        if self.pdf is not None:
+            self.pdf.stop()
+            self.pdf.close()
+
+
+def probe_upload(data: bytes, settings, *, allow_pdf: bool = True) -> Upload:
+    """Blocking (admission pool): an image's header, or a single-page PDF opened in the sandbox (its page count and
+    box; no page loaded). Nothing is decoded or rendered."""
+    s = settings
+    if allow_pdf and sniff_format(data) == "PDF":
+        from service.admission.pdf import PdfSession, rendered_size, single_page_pixel_budget
+
+        session = PdfSession(data, s, single_page=True)
+        try:
+            (page,) = session.open().pages
+        except BaseException:
+            session.close()
+            raise
+        return Upload(data, "PDF", *rendered_size(page, s, single_page_pixel_budget(s)), pdf=session)
+    fmt, width, height = probe_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
+                                     max_side=s.max_image_side)
+    return Upload(data, fmt, width, height)
+
+
+def decode_and_prepare(ctx: AppContext, req: OCRRequest, upload: Upload, engine: EngineInfo, request_id: str,
+                       prompt: str | None = None) -> PreparedPage:
+    """Blocking (admission pool): decode the image (or render the PDF's page), then budget, resize, re-encode."""
     s = ctx.settings
     started = time.perf_counter()
-    source = "pdf" if sniff_format(data) == "PDF" else "image"
-    if source == "pdf":
-        from service.admission.pdf import render_single_page
+    try:
+        if upload.pdf is not None:
+            from service.admission.pdf import single_page_pixel_budget
 
-        decoded = render_single_page(data, s)
-    else:
-        decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
-                               max_side=s.max_image_side, max_frames=s.max_frames,
-                               defer_pixels=s.png_pixel_check == "engine")
-    return prepare_decoded_page(ctx, req, decoded, engine, request_id, started=started, source=source)
+            rendered = upload.pdf.render(1, single_page_pixel_budget(s))
+            if rendered.error is not None:
+                raise rendered.error
+            decoded = DecodedImage(image=rendered.image, format="PDF", width=rendered.image.width,
+                                   height=rendered.image.height)
+        else:
+            decoded = decode_image(upload.data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
+                                   max_side=s.max_image_side, max_frames=s.max_frames,
+                                   defer_pixels=s.png_pixel_check == "engine")
+    finally:
+        upload.close()
+    return prepare_decoded_page(ctx, req, decoded, engine, request_id, started=started,
+                                source="pdf" if upload.pdf is not None else "image", prompt=prompt)
+
+
+def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineInfo,
+                 request_id: str) -> PreparedPage:
+    """All the CPU work of admitting one upload, in one blocking call (benchmarks): probe, decode, prepare."""
+    return decode_and_prepare(ctx, req, probe_upload(data, ctx.settings), engine, request_id)
+
+
+def plan_page(ctx: AppContext, req: OCRRequest, width: int, height: int, engine: EngineInfo,
+              prompt: str | None = None) -> tuple[ImagePlan, str | None, int]:
+    """How a page of this size goes to the engine: (plan, the prompt sent, the request's output budget). Only the
+    size is needed, so it also prices an upload from its header before it is decoded. `prompt`: user text instead
+    of the task's (a chat message)."""
+    s = ctx.settings
+    if max(width, height) > s.max_image_aspect_ratio * min(width, height):
+        raise OCRError("unsupported_aspect_ratio", f"the image is {width}x{height}; sides may differ "
+                       f"by at most {s.max_image_aspect_ratio:g}x")
+    task = TASKS[req.task]
+    max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
+    if engine.name == "embedded":
+        return plan_for_embedded(width, height, max_side=EMBEDDED_MAX_SIDE), None, max_tokens  # it takes no prompt
+    prompt = build_prompt(req, s) if prompt is None else prompt
+    # the engine's own processor limits where it reports them (a real 1.5 checkout allows 4096² pixels)
+    processor = engine.image_processor
+    plan = plan_for_vlm(width, height, max_model_len=s.max_model_len, max_tokens=max_tokens,
+                        min_pixels=processor.min_pixels if processor else s.min_image_pixels,
+                        max_pixels=processor.max_pixels if processor else s.max_engine_image_pixels,
+                        prompt_overhead=prompt_token_bound(prompt, engine.prompt_template_tokens))
+    return plan, prompt, max_tokens
 
 
 def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage, engine: EngineInfo,
                          request_id: str, *, started: float | None = None, source: str = "image",
                          prompt: str | None = None) -> PreparedPage:
-    """Budget, resize and prompt an already decoded page (also used by jobs for rendered PDF pages), in the form the
-    engine takes: pixels when it can (settings.engine_image_transport), else PNG, where an upload that already is
-    a bare PNG of the planned pixels goes on as it is. `prompt`: user text instead of the task's (a chat message);
-    the page's context budget counts whichever is sent."""
+    """Budget, resize and prompt an already decoded page (also used by jobs), in the form the engine takes: pixels
+    when it can (settings.engine_image_transport), else PNG, where an upload that already is a bare PNG of the
+    planned pixels goes on as it is. `prompt`: user text instead of the task's (a chat message); the page's
+    context budget counts whichever is sent."""
     s = ctx.settings
     started = time.perf_counter() if started is None else started
-    if max(decoded.width, decoded.height) > s.max_image_aspect_ratio * min(decoded.width, decoded.height):
-        raise OCRError("unsupported_aspect_ratio", f"the image is {decoded.width}x{decoded.height}; sides may differ "
-                       f"by at most {s.max_image_aspect_ratio:g}x")
-    engine_name = engine.name
-    task = TASKS[req.task]
-    max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
-    if engine_name == "embedded":
-        prompt = None  # it takes no prompt
-        plan = plan_for_embedded(decoded.width, decoded.height, max_side=EMBEDDED_MAX_SIDE)
-    else:
-        prompt = build_prompt(req, s) if prompt is None else prompt
-        # the engine's own processor limits where it reports them (a real 1.5 checkout allows 4096² pixels)
-        processor = engine.image_processor
-        plan = plan_for_vlm(decoded.width, decoded.height, max_model_len=s.max_model_len, max_tokens=max_tokens,
-                            min_pixels=processor.min_pixels if processor else s.min_image_pixels,
-                            max_pixels=processor.max_pixels if processor else s.max_engine_image_pixels,
-                            prompt_overhead=prompt_token_bound(prompt, engine.prompt_template_tokens))
+    plan, prompt, max_tokens = plan_page(ctx, req, decoded.width, decoded.height, engine, prompt)
     presizing = s.engine_image_presize and engine.image_processor is not None
     size = (plan.width, plan.height)
     if presizing:
@@ -260,18 +318,102 @@ def rate_limit_cost(ctx: AppContext, plan: ImagePlan, pages: int = 1) -> float:
     return 1.0
 
 
+@dataclass
+class Charge:
+    """Tokens one request (or one job page) has taken from its tenant's bucket. Taken before the work from what is
+    known then — one token before anything is parsed (an empty bucket answers 429 there), the estimate once an
+    image's header or a PDF's page boxes are read — and settled once the real cost is known (ratelimit.adjust)."""
+
+    ctx: AppContext
+    principal: Principal
+    amount: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def _bucket(self) -> tuple[float, float] | None:
+        s = self.ctx.settings
+        if not s.rate_limit_enabled:
+            return None
+        return self.principal.rate or s.default_rate, self.principal.burst or s.default_burst
+
+    async def raise_to(self, cost: float) -> "Charge":
+        """Take what `cost` needs beyond what was taken; 429 `rate_limited` (costing the engine nothing) when the
+        bucket cannot pay it."""
+        bucket = self._bucket()
+        if bucket is None:
+            return self
+        rate, burst = bucket
+        cost = min(cost, burst)  # a request never costs more than the whole bucket (it could never pass)
+        if cost <= self.amount:
+            return self
+        decision = await self.ctx.limiter.acquire(self.principal.tenant, cost - self.amount, rate, burst)
+        self.headers = decision.headers()
+        if not decision.allowed:
+            raise OCRError("rate_limited", f"rate limit exceeded for tenant {self.principal.tenant!r}",
+                           headers=self.headers)
+        self.amount = cost
+        return self
+
+    async def settle(self, cost: float) -> None:
+        """The real cost: the difference is given back, or taken even when the bucket cannot cover it (the work
+        is done; the bucket goes into debt and the tenant's next requests wait)."""
+        bucket = self._bucket()
+        if bucket is None:
+            return
+        rate, burst = bucket
+        cost = min(cost, burst)
+        if cost != self.amount:
+            await self.ctx.limiter.adjust(self.principal.tenant, cost - self.amount, rate, burst)
+            self.amount = cost
+
+    async def refund(self) -> None:
+        """The service refused the work (503 `overloaded`): the tenant gets its tokens back."""
+        await self.settle(0.0)
+
+
 async def admit(ctx: AppContext, principal: Principal, cost: float) -> dict[str, str]:
     """Token bucket for the tenant; raises 429 `rate_limited` (costing the engine nothing)."""
-    s = ctx.settings
-    if not s.rate_limit_enabled:
-        return {}
-    rate = principal.rate or s.default_rate
-    burst = principal.burst or s.default_burst
-    decision = await ctx.limiter.acquire(principal.tenant, cost, rate, burst)
-    headers = decision.headers()
-    if not decision.allowed:
-        raise OCRError("rate_limited", f"rate limit exceeded for tenant {principal.tenant!r}", headers=headers)
-    return headers
+    return (await Charge(ctx, principal).raise_to(cost)).headers
+
+
+def probe_and_price(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineInfo, *,
+                    prompt_for: Callable[[], str] | None = None, allow_pdf: bool = True
+                    ) -> tuple[Upload, str | None, float]:
+    """Blocking (admission pool): the upload probed (probe_upload), the prompt built (`prompt_for`: a chat message's
+    sanitised text instead of the task's), and the cost the page will have at its header's size."""
+    upload = probe_upload(data, ctx.settings, allow_pdf=allow_pdf)
+    try:
+        prompt = prompt_for() if prompt_for is not None else None
+        plan, _, _ = plan_page(ctx, req, upload.width, upload.height, engine, prompt)
+    except BaseException:
+        upload.close()
+        raise
+    return upload, prompt, rate_limit_cost(ctx, plan)
+
+
+async def admit_upload(ctx: AppContext, principal: Principal, req: OCRRequest, data: bytes, engine: EngineInfo,
+                       request_id: str, *, prompt_for: Callable[[], str] | None = None, allow_pdf: bool = True
+                       ) -> tuple[PreparedPage, dict[str, str]]:
+    """One upload from bytes to a prepared page, paid for before each step of work: one token first (nothing of
+    the file parsed yet), then on the admission pool the header (or the PDF's page count and box) and the estimated
+    cost, taken before the decode (or render) on the pool, then the real cost settled. Returns the page and the
+    rate-limit headers. A request the admission pool has no room for (503 `overloaded`) gets its tokens back."""
+    tenant = principal.tenant
+    charge = await Charge(ctx, principal).raise_to(1.0)
+    try:
+        upload, prompt, estimate = await ctx.work_pool.run(tenant, probe_and_price, ctx, req, data, engine,
+                                                           prompt_for=prompt_for, allow_pdf=allow_pdf)
+        try:
+            await charge.raise_to(estimate)
+            page = await ctx.work_pool.run(tenant, decode_and_prepare, ctx, req, upload, engine, request_id,
+                                           prompt=prompt)
+        finally:
+            upload.close()  # (already closed by a decode that ran) a cancelled request: the PDF sandbox stops
+    except OCRError as exc:
+        if exc.code == "overloaded":
+            await charge.refund()
+        raise
+    await charge.settle(rate_limit_cost(ctx, page.plan))
+    return page, charge.headers
 
 
 async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tuple[OCRRequest, PreparedPage,
@@ -284,8 +426,7 @@ async def run_ocr(ctx: AppContext, request: Request, principal: Principal) -> tu
         raise OCRError("forbidden", f"this API key may not use adapter {req.adapter!r}")
     info = await ctx.get_engine_info()
     request_id = "ocr-" + uuid.uuid4().hex[:24]
-    page = await asyncio.to_thread(prepare_page, ctx, req, data, info, request_id)
-    headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))
+    page, headers = await admit_upload(ctx, principal, req, data, info, request_id)
     return req, page, headers
 
 

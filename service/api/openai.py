@@ -6,17 +6,17 @@ for both; `GET /v1/models` lives in health.py). The official `openai` Python cli
 - completions (the seed's flow): `prompt` = the instruction, the image as base64 (or a data URL) in the extra body
   field `image` (`client.completions.create(..., extra_body={"image": b64})`).
 
-Same order as `/v1/ocr`: authenticate → validate → decode → budget/resize → rate limit → engine → respond. The body
-is parsed with its work bounded first and its types checked strictly (service/api/json_body.py); the user text is
-refused above `max_text_field_chars` (400 `prompt_too_long`, before any other work on it) and sanitised (no
-`<｜…｜>` placeholders); the engine builds the real prompt with the model's chat template. Decoding is greedy
-(HunyuanOCR's recipe): `temperature`/`top_p` are accepted and ignored. vLLM's benchmark extensions `ignore_eos` and
-`min_tokens` make a request generate up to its token limit whatever the model says: admin keys only.
+Same order as `/v1/ocr`: authenticate → validate → one token → image header and estimated cost → decode →
+budget/resize → real cost → engine → respond. The body is parsed with its work bounded first and its types checked
+strictly (service/api/json_body.py); the user text is refused above `max_text_field_chars` (400 `prompt_too_long`,
+before any other work on it) and sanitised (no `<｜…｜>` placeholders) on the admission pool, with the image's
+header; the engine builds the real prompt with the model's chat template. Decoding is greedy (HunyuanOCR's recipe):
+`temperature`/`top_p` are accepted and ignored. vLLM's benchmark extensions `ignore_eos` and `min_tokens` make a
+request generate up to its token limit whatever the model says: admin keys only.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -28,12 +28,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.admission.auth import Principal
-from service.admission.images import decode_base64_image, decode_image
+from service.admission.images import decode_base64_image
 from service.admission.prompts import sanitize_user_text
 from service.admission.schemas import check_schema
 from service.api.context import AppContext
 from service.api.json_body import read_json_model
-from service.api.ocr import admit, first_event_then_rest, prepare_decoded_page, rate_limit_cost
+from service.api.ocr import admit_upload, first_event_then_rest
 from service.api.protocol import OCRRequest
 from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
 from service.errors import OCRError, openapi_error_responses
@@ -206,7 +206,7 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
                                  model: str | None, max_tokens: int | None, fields: _SamplingFields,
                                  logprobs: bool, guided_json: dict | None
                                  ) -> tuple[EngineRequest, dict[str, str], str]:
-    """Decode, budget and rate-limit one OpenAI-style request; returns (engine request, headers, model name)."""
+    """Rate-limit, decode and budget one OpenAI-style request; returns (engine request, headers, model name)."""
     s = ctx.settings
     info = await ctx.get_engine_info()
     adapter = await resolve_adapter(ctx, principal, model)
@@ -214,15 +214,11 @@ async def prepare_openai_request(ctx: AppContext, principal: Principal, *, image
     request_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     ocr_req = OCRRequest.model_validate({"task": "text", "adapter": adapter, "max_tokens": max_tokens})
 
-    def prepare():
-        text = sanitize_user_text(user_text, s.max_text_field_chars) or TASKS["text"].prompt
-        decoded = decode_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
-                               max_side=s.max_image_side, max_frames=s.max_frames,
-                               defer_pixels=s.png_pixel_check == "engine")
-        return prepare_decoded_page(ctx, ocr_req, decoded, info, request_id, prompt=text)
+    def prompt() -> str:  # on the admission pool, paid for
+        return sanitize_user_text(user_text, s.max_text_field_chars) or TASKS["text"].prompt
 
-    page = await asyncio.to_thread(prepare)
-    headers = await admit(ctx, principal, rate_limit_cost(ctx, page.plan))
+    page, headers = await admit_upload(ctx, principal, ocr_req, data, info, request_id, prompt_for=prompt,
+                                       allow_pdf=False)
     engine_request = page.engine_request.model_copy(update={
         "logprobs": logprobs,
         "guided_json": guided_json,

@@ -1,11 +1,22 @@
-"""Runs a job inside the ingress replica that accepted it: pages are rasterised (PDF sandbox) or taken from the
-uploaded images, paid for at the tenant's token bucket, and fanned out to the engine deployment with at most
-`job_page_concurrency` pages in flight (Serve spreads them over the engine replicas). Each page's engine call is
-retried up to `job_page_retries` times on engine-side failures (5xx, timeouts, crashes) — never on client errors —
-and every page ends with exactly one stored `PageResult`.
+"""Runs a job inside the ingress replica that accepted it, page by page and in page order: each page is paid for at
+the tenant's token bucket (waiting for tokens rather than failing), then decoded (an uploaded image) or rendered (a
+PDF page, in the job's sandbox session) on the admission pool, then sent to the engine deployment once the replica's
+page scheduler grants it a slot. Each page's engine call is retried up to `job_page_retries` times on engine-side
+failures (5xx, timeouts, crashes) — never on client errors — and every page ends with exactly one stored
+`PageResult`.
+
+Memory: the job keeps its upload as sent (compressed images, or the PDF in its sandbox process) and decodes one page
+at a time, when it is dispatched; a page in flight holds only what the engine takes (a PNG, or with
+`engine_image_transport: pixels` its RGB rows at the engine's size), never the decoded upload. So a job holds one
+decoded page, plus `job_page_concurrency` pages in the engine's form.
+
+Scheduling (docs/JOBS.md): at most `job_pages_in_flight` job pages of this replica are at the engines at once, granted
+to the tenants' jobs in turn (service/admission/workpool.py FairSlots); interactive requests do not take these slots,
+so they wait behind a few job pages, not behind a backlog.
 
 Cancellation: `DELETE` sets the store's cancel flag (any replica); the runner checks it every `CANCEL_POLL_S` and
-also gets cancelled directly when the DELETE lands on its own replica. In-flight engine calls are cancelled with it.
+also gets cancelled directly when the DELETE lands on its own replica. In-flight engine calls are cancelled with it,
+and the PDF sandbox is killed.
 
 Lost state: at every heartbeat the runner checks that the job's record is still stored. When Redis restarted or
 failed over without its data (or evicted the job), the results of the pages done so far are gone: the runner stops
@@ -21,12 +32,13 @@ import io
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from service.admission.auth import Principal
-from service.admission.images import DecodedImage
-from service.admission.pdf import PageRenderer, RenderedPage, page_pixel_budget
-from service.api.ocr import (PreparedPage, admit, build_response, parse_output, prepare_decoded_page,
+from service.admission.images import DecodedImage, decode_image
+from service.admission.pdf import PdfSession
+from service.admission.workpool import FairSlots
+from service.api.ocr import (Charge, PreparedPage, build_response, parse_output, prepare_decoded_page,
                              rate_limit_cost, record_page)
 from service.api.protocol import OCRRequest
 from service.errors import OCRError
@@ -40,16 +52,37 @@ CANCEL_POLL_S = 0.5
 RETRY_BACKOFF_S = 0.25  # doubled per attempt, capped at MAX_BACKOFF_S
 MAX_BACKOFF_S = 2.0
 MAX_RATE_WAIT_S = 30.0
+OVERLOADED_WAIT_S = 0.5  # a page the admission pool has no room for waits this long, then asks again
 PREVIEW_MAX_SIDE = 1600
 
 
 @dataclass
 class JobSource:
-    """The pages of a job: one PDF (rendered lazily, in the sandbox) or already decoded images."""
+    """The pages of a job as uploaded: the images' bytes, or one PDF in its sandbox session (opened at `POST`).
+    Nothing is decoded before its page is dispatched."""
 
     numbers: list[int]
-    pdf: bytes | None = None
-    images: list[DecodedImage] = field(default_factory=list)  # aligned with `numbers` when not a PDF
+    sizes: list[tuple[int, int]]  # each page's pixels (image header, or PDF page at its DPI)
+    costs: list[float]  # each page's cost at its size, paid before it is decoded
+    images: list[bytes] = field(default_factory=list)  # aligned with `numbers` when not a PDF
+    pdf: PdfSession | None = None
+    render_pixels: int = 0  # PDF: the pixel budget its pages are rendered to
+
+    def close(self) -> None:
+        if self.pdf is not None:
+            self.pdf.stop()
+            self.pdf.close()
+
+
+@dataclass
+class StagedPage:
+    """A page decoded (or rendered) and prepared for the engine; the decoded pixels are gone by now."""
+
+    number: int
+    prepared: PreparedPage
+    preview: str | None = None
+    dpi: float = 0.0
+    render_ms: float = 0.0
 
 
 class JobRunner:
@@ -58,11 +91,13 @@ class JobRunner:
         self.store = store
         self._tasks: dict[str, asyncio.Task] = {}
         self.webhooks = WebhookSender(ctx.settings, ctx.metrics)
+        # job pages of this replica at the engines, granted to tenants in turn
+        self.page_slots = FairSlots(ctx.settings.resolved_job_pages_in_flight, what="the engines")
 
     # --- control ------------------------------------------------------------------------------------------------
     def start(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal,
-              webhook: WebhookTarget | None = None) -> None:
-        task = asyncio.create_task(self._run_then_notify(record, req, source, principal, webhook),
+              first_charge: Charge, webhook: WebhookTarget | None = None) -> None:
+        task = asyncio.create_task(self._run_then_notify(record, req, source, principal, first_charge, webhook),
                                    name=f"job-{record.id}")
         self._tasks[record.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
@@ -83,10 +118,15 @@ class JobRunner:
 
     # --- one job ------------------------------------------------------------------------------------------------
     async def _run_then_notify(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal,
-                               webhook: WebhookTarget | None) -> None:
+                               first_charge: Charge, webhook: WebhookTarget | None) -> None:
         try:
-            await self._run(record, req, source, principal)
+            await self._run(record, req, source, principal, first_charge)
         finally:
+            source.close()
+            try:
+                await self.store.release_slot(record.tenant, record.id)
+            except OCRError:  # Redis away: the slot's lease runs out on its own
+                log.warning("job %s: could not give back its running-job slot", record.id)
             if webhook is not None:  # in the background: a slow or failing receiver never holds up the job
                 self.webhooks.send(webhook, record.id, lambda: self._final_view(record.id))
 
@@ -100,21 +140,36 @@ class JobRunner:
         pages = [page.model_copy(update={"image": None}) for page in await self.store.pages(job_id)]
         return JobView.of(record, done, failed, pages).model_dump(mode="json")
 
-    async def _run(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal) -> None:
+    async def _run(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal,
+                   first_charge: Charge) -> None:
         job_id = record.id
         now = time.time()
         await self.store.update(job_id, status="running", updated_at=now, heartbeat_at=now)
         lost = asyncio.Event()  # set by the watcher when the store no longer holds the job
-        watcher = asyncio.create_task(self._watch(job_id, asyncio.current_task(), lost))
+        watcher = asyncio.create_task(self._watch(record, asyncio.current_task(), lost))
         page_tasks: list[asyncio.Task] = []
         cancelled = False
         try:
             info = await self.ctx.get_engine_info()
-            slots = asyncio.Semaphore(self.ctx.settings.job_page_concurrency)
-            async for index, rendered in self._pages(source, info.name, req):
-                await slots.acquire()
-                page_tasks.append(asyncio.create_task(
-                    self._page(record, req, principal, index, rendered, info, slots)))
+            in_flight = asyncio.Semaphore(self.ctx.settings.job_page_concurrency)
+            for index in range(len(source.numbers)):
+                await in_flight.acquire()
+                task = None
+                try:
+                    charge = first_charge if index == 0 else await self._pay(principal, source.costs[index])
+                    staged = await self._stage(record, req, source, principal, index, info, charge)
+                    if isinstance(staged, PageResult):  # failed before the engine
+                        await self.store.put_page(job_id, staged)
+                        continue
+                    await self.page_slots.acquire(principal.tenant)
+                    task = asyncio.create_task(self._page(record, req, principal, index, staged, info))
+                    task.add_done_callback(lambda _: self.page_slots.release(principal.tenant))
+                    page_tasks.append(task)
+                finally:
+                    if task is None:
+                        in_flight.release()
+                    else:
+                        task.add_done_callback(lambda _: in_flight.release())
             await asyncio.gather(*page_tasks)
         except asyncio.CancelledError:
             cancelled = True
@@ -122,6 +177,7 @@ class JobRunner:
             log.exception("job %s failed", job_id)
         finally:
             watcher.cancel()
+            source.close()  # a render in progress stops at once
             for task in page_tasks:
                 task.cancel()
             await asyncio.gather(*page_tasks, return_exceptions=True)
@@ -164,9 +220,10 @@ class JobRunner:
         status = "succeeded" if failed == 0 else "failed" if failed >= record.pages_total else "partial"
         await self.store.update(record.id, status=status, updated_at=now, finished_at=now)
 
-    async def _watch(self, job_id: str, job_task: asyncio.Task | None, lost: asyncio.Event) -> None:
-        """Heartbeat for readers on other replicas; cancel flag set by a DELETE on another replica; the job's
-        record vanishing from the store (`lost`)."""
+    async def _watch(self, record: JobRecord, job_task: asyncio.Task | None, lost: asyncio.Event) -> None:
+        """Heartbeat (and the running-job slot's lease) for readers on other replicas; cancel flag set by a DELETE
+        on another replica; the job's record vanishing from the store (`lost`)."""
+        job_id = record.id
         last_beat = time.monotonic()
         while True:
             await asyncio.sleep(CANCEL_POLL_S)
@@ -182,66 +239,82 @@ class JobRunner:
                             job_task.cancel()
                         return
                     await self.store.update(job_id, heartbeat_at=time.time())
+                    await self.store.renew_slot(record.tenant, job_id)
                     last_beat = time.monotonic()
             except OCRError:  # store hiccup: try again next tick
                 continue
 
-    async def _pages(self, source: JobSource, engine_name: str, req: OCRRequest
-                     ) -> AsyncIterator[tuple[int, RenderedPage]]:
-        if source.pdf is None:
-            for index, (number, image) in enumerate(zip(source.numbers, source.images)):
-                yield index, RenderedPage(number=number, image=image.image)
-            return
-        budget = page_pixel_budget(self.ctx.settings, engine_name, req.max_tokens)
-        renderer = PageRenderer(source.pdf, self.ctx.settings, source.numbers, budget)
-        pages = iter(renderer)
-        try:
-            for index in range(len(source.numbers)):
-                rendered = await asyncio.to_thread(next, pages, None)
-                if rendered is None:
-                    break
-                yield index, rendered
-        finally:
-            renderer.stop()  # cancelled mid-document: kill the sandbox, do not wait for it
-
     # --- one page -----------------------------------------------------------------------------------------------
-    async def _page(self, record: JobRecord, req: OCRRequest, principal: Principal, index: int,
-                    rendered: RenderedPage, info, slots: asyncio.Semaphore) -> None:
-        try:
-            result = await self._page_result(record, req, principal, index, rendered, info)
-            await self.store.put_page(record.id, result)
-        finally:
-            slots.release()
+    async def _pay(self, principal: Principal, cost: float) -> Charge:
+        """Jobs count against the tenant's bucket page by page, before each page's decode, at the cost its size
+        implies: wait for tokens instead of failing the page."""
+        while True:
+            try:
+                return await Charge(self.ctx, principal).raise_to(cost)
+            except OCRError as exc:
+                if exc.code != "rate_limited":
+                    raise
+                wait = float((exc.headers or {}).get("Retry-After", 1))
+                await asyncio.sleep(min(MAX_RATE_WAIT_S, max(0.05, wait)))
 
-    async def _page_result(self, record: JobRecord, req: OCRRequest, principal: Principal, index: int,
-                           rendered: RenderedPage, info) -> PageResult:
-        def failed(error: OCRError, attempts: int = 0) -> PageResult:
-            return PageResult(index=index, page=rendered.number, status="failed", attempts=attempts,
-                              dpi=rendered.dpi or None, error=ErrorInfo(code=error.code, message=error.message))
+    async def _stage(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal, index: int,
+                     info, charge: Charge) -> StagedPage | PageResult:
+        """Decode or render the page and prepare it for the engine on the admission pool (a turn among the
+        tenants' work), then settle its cost; a page that cannot be prepared is its failed PageResult."""
+        number = source.numbers[index]
+        while True:
+            try:
+                staged = await self.ctx.work_pool.run(principal.tenant, self._stage_blocking, record, req, source,
+                                                      index, info)
+                break
+            except OCRError as exc:
+                if exc.code == "overloaded":  # the tenant's own interactive work fills its queue: a job can wait
+                    await asyncio.sleep(OVERLOADED_WAIT_S)
+                    continue
+                return PageResult(index=index, page=number, status="failed", attempts=0,
+                                  error=ErrorInfo(code=exc.code, message=exc.message))
+        await charge.settle(rate_limit_cost(self.ctx, staged.prepared.plan))
+        return staged
 
-        if rendered.error is not None:
-            return failed(rendered.error)
+    def _stage_blocking(self, record: JobRecord, req: OCRRequest, source: JobSource, index: int, info) -> StagedPage:
+        s = self.ctx.settings
+        number = source.numbers[index]
         started = time.perf_counter()
-        request_id = f"{record.id}-p{rendered.number}"
-        decoded = DecodedImage(image=rendered.image, format="PDF" if record.source == "pdf" else "IMAGE",
-                               width=rendered.image.width, height=rendered.image.height)
-        try:
-            prepared = await asyncio.to_thread(prepare_decoded_page, self.ctx, req, decoded, info, request_id,
-                                               source="pdf" if record.source == "pdf" else "image")
-            preview = await asyncio.to_thread(_preview, rendered.image) if record.return_page_images else None
-            rendered.image = None  # only the engine copy is kept from here on
-            if index > 0:  # page 1 was paid for when the job was accepted
-                await self._pay(principal, rate_limit_cost(self.ctx, prepared.plan))
-        except OCRError as exc:
-            return failed(exc)
+        request_id = f"{record.id}-p{number}"
+        dpi = render_ms = 0.0
+        if source.pdf is not None:
+            rendered = source.pdf.render(number, source.render_pixels)
+            if rendered.error is not None:
+                raise rendered.error
+            decoded = DecodedImage(image=rendered.image, format="PDF", width=rendered.image.width,
+                                   height=rendered.image.height)
+            dpi, render_ms = rendered.dpi, rendered.render_ms
+            started = time.perf_counter()  # `decode` times the preparation; `render` the sandbox's work
+        else:
+            decoded = decode_image(source.images[index], allowed_formats=s.allowed_formats,
+                                   max_pixels=s.max_image_pixels, max_side=s.max_image_side,
+                                   max_frames=s.max_frames, defer_pixels=s.png_pixel_check == "engine")
+        prepared = prepare_decoded_page(self.ctx, req, decoded, info, request_id, started=started,
+                                        source="pdf" if source.pdf is not None else "image")
+        preview = _preview(decoded.pixels()) if record.return_page_images else None
+        return StagedPage(number, prepared, preview, dpi, render_ms)
+
+    async def _page(self, record: JobRecord, req: OCRRequest, principal: Principal, index: int,
+                    staged: StagedPage, info) -> None:
+        result = await self._page_result(record, req, index, staged, info)
+        await self.store.put_page(record.id, result)
+
+    async def _page_result(self, record: JobRecord, req: OCRRequest, index: int, staged: StagedPage,
+                           info) -> PageResult:
+        started = time.perf_counter()
         attempts = 0
         last_error = OCRError("internal_error", "the page was not processed")
         for attempt in range(1 + self.ctx.settings.job_page_retries):
             attempts += 1
             try:
-                response = await self._engine_call(req, prepared, info, started, rendered, attempt)
-                return PageResult(index=index, page=rendered.number, status="ok", attempts=attempts,
-                                  result=response, dpi=rendered.dpi or None, image=preview)
+                response = await self._engine_call(req, staged, info, started, attempt)
+                return PageResult(index=index, page=staged.number, status="ok", attempts=attempts,
+                                  result=response, dpi=staged.dpi or None, image=staged.preview)
             except OCRError as exc:
                 last_error = exc
                 if exc.status < 500:
@@ -250,16 +323,18 @@ class JobRunner:
                 last_error = OCRError("timeout", f"the engine did not answer within "
                                       f"{self.ctx.settings.request_timeout_s:g}s")
             except Exception as exc:  # engine crash, replica died mid-call: retry on (possibly) another replica
-                log.warning("job %s page %s attempt %s failed: %s", record.id, rendered.number, attempts,
+                log.warning("job %s page %s attempt %s failed: %s", record.id, staged.number, attempts,
                             type(exc).__name__)
                 last_error = OCRError("engine_unavailable", "the engine failed on this page")
             if attempt < self.ctx.settings.job_page_retries:
                 await asyncio.sleep(min(MAX_BACKOFF_S, RETRY_BACKOFF_S * 2 ** attempt))
-        return failed(last_error, attempts)
+        return PageResult(index=index, page=staged.number, status="failed", attempts=attempts,
+                          dpi=staged.dpi or None, error=ErrorInfo(code=last_error.code, message=last_error.message))
 
-    async def _engine_call(self, req: OCRRequest, prepared: PreparedPage, info, started: float,
-                           rendered: RenderedPage, attempt: int) -> dict[str, Any]:
+    async def _engine_call(self, req: OCRRequest, staged: StagedPage, info, started: float,
+                           attempt: int) -> dict[str, Any]:
         ctx = self.ctx
+        prepared = staged.prepared
         engine_request = prepared.engine_request
         if attempt:
             engine_request = engine_request.model_copy(update={"request_id": f"{engine_request.request_id}-r{attempt}"})
@@ -270,31 +345,18 @@ class JobRunner:
         parse_started = time.perf_counter()
         parsed = await parse_output(ctx, req, result, prepared.geometry)
         timings = {
-            "render": rendered.render_ms,
+            "render": staged.render_ms,
             "decode": prepared.decode_ms,
             "queue": max(0.0, engine_total_ms - result.engine_ms),
             "engine": result.engine_ms,
             "parse": (time.perf_counter() - parse_started) * 1000,
-            "total": (time.perf_counter() - started) * 1000 + rendered.render_ms,
+            "total": (time.perf_counter() - started) * 1000 + prepared.decode_ms + staged.render_ms,
         }
         response = build_response(request_id=prepared.engine_request.request_id, model=req.adapter or info.model,
                                   task=req.task, result=result, geom=prepared.geometry, parsed=parsed,
                                   timings_ms=timings, adapter=req.adapter)
         record_page(ctx, req, prepared, result, parsed.confidence, timings)
         return response.model_dump(mode="json")
-
-    async def _pay(self, principal: Principal, cost: float) -> None:
-        """Jobs count against the tenant's bucket page by page: wait for tokens instead of failing the page."""
-        cost = min(cost, principal.burst or self.ctx.settings.default_burst)  # a page never costs more than a bucket
-        while True:
-            try:
-                await admit(self.ctx, principal, cost)
-                return
-            except OCRError as exc:
-                if exc.code != "rate_limited":
-                    raise
-                wait = float((exc.headers or {}).get("Retry-After", 1))
-                await asyncio.sleep(min(MAX_RATE_WAIT_S, max(0.05, wait)))
 
 
 def _preview(image) -> str:

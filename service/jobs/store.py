@@ -5,6 +5,11 @@ Layout (both stores): one hash per job with the immutable `record` (JSON) and th
 hash of page results keyed by page index. Fields are written individually, so a cancel (any replica) and the
 runner's heartbeats never overwrite each other; a requested cancel shows as `cancelled` at once. Every write renews
 the TTL (`job_ttl_s` after the last change).
+
+Running-job slots (`max_running_jobs_per_tenant`): a job holds one of its tenant's slots from its `POST` until its
+runner ends. In Redis a tenant's slots are one sorted set (job id → lease end, Redis clock), taken by one Lua script
+that drops expired leases first, renewed with the runner's heartbeat and given back when the job ends: a replica that
+dies frees its jobs' slots when their leases run out. In-process, a set of job ids per tenant.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from typing import Any, Protocol
 
 from service.errors import OCRError
-from service.jobs.model import STALE_AFTER_S, TERMINAL, ErrorInfo, JobRecord, PageResult
+from service.jobs.model import HEARTBEAT_S, STALE_AFTER_S, TERMINAL, ErrorInfo, JobRecord, PageResult
 
 _MUTABLE = ("status", "updated_at", "heartbeat_at", "finished_at", "error")
 
@@ -62,6 +67,13 @@ class JobStore(Protocol):
     async def wait(self, job_id: str, timeout_s: float) -> None:
         """Return when the job may have changed, or after timeout_s."""
 
+    async def take_slot(self, tenant: str, job_id: str, limit: int) -> bool:
+        """One of the tenant's running-job slots for this job; False when all `limit` are held."""
+
+    async def renew_slot(self, tenant: str, job_id: str) -> None: ...
+
+    async def release_slot(self, tenant: str, job_id: str) -> None: ...
+
     async def close(self) -> None: ...
 
 
@@ -74,6 +86,7 @@ class MemoryJobStore:
         self._pages: dict[str, dict[int, PageResult]] = {}
         self._expires: dict[str, float] = {}
         self._changed = asyncio.Condition()
+        self._slots: dict[str, set[str]] = {}  # tenant -> its running jobs
 
     async def _touch(self, job_id: str) -> None:
         self._expires[job_id] = time.monotonic() + self.ttl_s
@@ -143,8 +156,56 @@ class MemoryJobStore:
         except asyncio.TimeoutError:
             pass
 
+    async def take_slot(self, tenant: str, job_id: str, limit: int) -> bool:
+        held = self._slots.setdefault(tenant, set())
+        if len(held) >= limit:
+            return False
+        held.add(job_id)
+        return True
+
+    async def renew_slot(self, tenant: str, job_id: str) -> None:
+        return None
+
+    async def release_slot(self, tenant: str, job_id: str) -> None:
+        held = self._slots.get(tenant)
+        if held is not None:
+            held.discard(job_id)
+            if not held:
+                del self._slots[tenant]
+
     async def close(self) -> None:
         return None
+
+
+# KEYS[1] = the tenant's slots (sorted set: job id -> lease end in ms of Redis TIME); ARGV = job id, limit, lease ms.
+# Returns 1 when the job holds a slot now (it already did, or one was free), else 0.
+TAKE_SLOT_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) == false and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[3]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS[1] = the tenant's slots; ARGV = job id, lease ms. Extends a held slot's lease (a slot already given back stays
+# given back).
+RENEW_SLOT_LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) ~= false then
+  redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[2]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 1
+"""
+# a slot outlives a stopped heartbeat this long: a few missed beats (a slow Redis) never free a running job's slot
+SLOT_LEASE_S = 6 * HEARTBEAT_S
 
 
 class RedisJobStore:
@@ -159,6 +220,13 @@ class RedisJobStore:
         self.prefix = prefix
         self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                         decode_responses=True)
+        self._take_slot = self._redis.register_script(TAKE_SLOT_LUA)
+        self._renew_slot = self._redis.register_script(RENEW_SLOT_LUA)
+
+    def _slots_key(self, tenant: str) -> str:
+        from service.admission.ratelimit import bucket_key  # the same Cluster-safe, quoted hash tag
+
+        return bucket_key(self.prefix + "slots:", tenant)
 
     def _keys(self, job_id: str) -> tuple[str, str]:
         return self.prefix + job_id, self.prefix + job_id + ":pages"
@@ -230,6 +298,16 @@ class RedisJobStore:
 
     async def wait(self, job_id: str, timeout_s: float) -> None:
         await asyncio.sleep(min(self.POLL_S, timeout_s))
+
+    async def take_slot(self, tenant: str, job_id: str, limit: int) -> bool:
+        lease_ms = int(SLOT_LEASE_S * 1000)
+        return bool(await self._run(self._take_slot(keys=[self._slots_key(tenant)], args=[job_id, limit, lease_ms])))
+
+    async def renew_slot(self, tenant: str, job_id: str) -> None:
+        await self._run(self._renew_slot(keys=[self._slots_key(tenant)], args=[job_id, int(SLOT_LEASE_S * 1000)]))
+
+    async def release_slot(self, tenant: str, job_id: str) -> None:
+        await self._run(self._redis.zrem(self._slots_key(tenant), job_id))
 
     async def close(self) -> None:
         await self._redis.aclose()
