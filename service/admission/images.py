@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import re
 import warnings
@@ -351,6 +352,32 @@ def _too_many_frames(img: Image.Image, max_frames: int) -> bool:
     if max_frames == 1:
         return bool(getattr(img, "is_animated", False))  # looks for a second frame only
     return getattr(img, "n_frames", 1) > max_frames
+
+
+# Pages at least this large give the allocator's free memory back when their work is done (release_freed_memory)
+RELEASE_AFTER_PIXELS = 4_000_000
+
+
+def release_freed_memory() -> None:
+    """Hand the C allocator's free pages back to the system (glibc `malloc_trim`; elsewhere nothing). A large page
+    decoded on a thread leaves its pixels' memory free but resident in that thread's arena (measured: 174-185 MiB after
+    a 6300² page, until the arena happens to be reused); trimming takes about 8 ms after such a page and
+    microseconds otherwise."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 — glibc only
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def encode_png(img: Image.Image) -> bytes:

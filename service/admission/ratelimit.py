@@ -104,13 +104,15 @@ class LocalTokenBucket:
 
 
 # KEYS[1] = the tenant's bucket (a hash: tokens, ts in microseconds of Redis TIME)
-# ARGV = rate (tokens/s), burst, cost. Returns {allowed 0|1, tokens left, seconds until `cost` is available}.
+# ARGV = rate (tokens/s), burst, amount, mode. The bucket is refilled to now first. Mode `acquire` (amount = cost):
+# returns {allowed 0|1, tokens left, seconds until `cost` is available}. Mode `adjust` (amount = tokens to take,
+# negative gives them back): moves the bucket within [-burst, burst] without a decision; returns {1, tokens left, 0}.
 # Numbers go back as strings: Redis truncates Lua numbers in replies to integers.
 TOKEN_BUCKET_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
+local amount = tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
@@ -122,44 +124,22 @@ if tokens == nil or ts == nil then
 end
 local elapsed = math.max(0, now_us - ts) / 1000000
 tokens = math.min(burst, tokens + elapsed * rate)
-local allowed = 0
-local retry_after = (cost - tokens) / rate
-if cost <= tokens then
-  tokens = tokens - cost
-  allowed = 1
-  retry_after = 0
+local allowed = 1
+local retry_after = 0
+if ARGV[4] == 'adjust' then
+  tokens = math.max(-burst, math.min(burst, tokens - amount))
+elseif amount <= tokens then
+  tokens = tokens - amount
+else
+  allowed = 0
+  retry_after = (amount - tokens) / rate
 end
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%d', now_us))
--- keep the bucket about twice its refill time (1 s to 30 days); an expired bucket is a full one
+-- keep the bucket about twice its refill time (1 s to 30 days; from minus one bucket to a full one is exactly
+-- that); an expired bucket is a full one
 local ttl_ms = math.min(2592000000, math.max(1000, math.ceil(2000 * burst / rate)))
 redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl_ms))
 return {allowed, string.format('%.17g', tokens), string.format('%.17g', retry_after)}
-"""
-
-# KEYS[1] = the tenant's bucket; ARGV = rate, burst, delta (tokens to take; negative gives them back). The bucket is
-# refilled to now first, then moved by delta within [-burst, burst]. Returns the tokens left.
-TOKEN_BUCKET_ADJUST_LUA = """
-if redis.replicate_commands then redis.replicate_commands() end
-local rate = tonumber(ARGV[1])
-local burst = tonumber(ARGV[2])
-local delta = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(state[1])
-local ts = tonumber(state[2])
-if tokens == nil or ts == nil then
-  tokens = burst
-  ts = now_us
-end
-local elapsed = math.max(0, now_us - ts) / 1000000
-tokens = math.min(burst, tokens + elapsed * rate)
-tokens = math.max(-burst, math.min(burst, tokens - delta))
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.17g', tokens), 'ts', string.format('%d', now_us))
--- from minus one bucket to a full one takes twice the refill time: the TTL below still covers it
-local ttl_ms = math.min(2592000000, math.max(1000, math.ceil(2000 * burst / rate)))
-redis.call('PEXPIRE', KEYS[1], string.format('%d', ttl_ms))
-return string.format('%.17g', tokens)
 """
 
 
@@ -195,7 +175,6 @@ class RedisTokenBucket:
         self._client = client
         self._key_prefix = key_prefix
         self._script = client.register_script(TOKEN_BUCKET_LUA)  # EVALSHA, reloaded on NOSCRIPT
-        self._adjust_script = client.register_script(TOKEN_BUCKET_ADJUST_LUA)
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.05, key_prefix: str = "ocr:rl:") -> "RedisTokenBucket":
@@ -206,12 +185,13 @@ class RedisTokenBucket:
 
     async def acquire(self, tenant: str, cost: float, rate: float, burst: float) -> Decision:
         cost = min(cost, burst)
-        allowed, tokens, retry_after = await self._script(keys=[self.key(tenant)], args=[rate, burst, cost])
+        allowed, tokens, retry_after = await self._script(keys=[self.key(tenant)],
+                                                          args=[rate, burst, cost, "acquire"])
         tokens = float(tokens)
         return Decision(bool(int(allowed)), burst, tokens, (burst - tokens) / rate, float(retry_after))
 
     async def adjust(self, tenant: str, delta: float, rate: float, burst: float) -> None:
-        await self._adjust_script(keys=[self.key(tenant)], args=[rate, burst, delta])
+        await self._script(keys=[self.key(tenant)], args=[rate, burst, delta, "adjust"])
 
     async def close(self) -> None:
         await self._client.aclose()

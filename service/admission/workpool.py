@@ -124,9 +124,9 @@ class WorkPool:
         self._threads = threads
 
     @classmethod
-    def for_settings(cls, settings) -> "WorkPool":
-        return cls(settings.admission_threads, settings.admission_threads_per_tenant,
-                   settings.admission_queue_per_tenant)
+    def for_settings(cls, settings, one_tenant: bool = False) -> "WorkPool":
+        per_tenant = settings.admission_threads if one_tenant else settings.admission_threads_per_tenant
+        return cls(settings.admission_threads, per_tenant, settings.admission_queue_per_tenant)
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         await self.slots.acquire(tenant)

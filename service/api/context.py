@@ -64,7 +64,9 @@ class AppContext:
     work_pool: WorkPool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.work_pool = WorkPool.for_settings(self.settings)
+        # without API keys everyone is one tenant: a share of the threads would only idle the rest
+        self.work_pool = WorkPool.for_settings(self.settings,
+                                               one_tenant=getattr(self.authenticator, "open_mode", False))
 
     async def get_engine_info(self) -> EngineInfo:
         if self.engine_info is None:

@@ -21,8 +21,8 @@ from pydantic import ValidationError
 
 from service.admission.auth import Principal
 from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm, prompt_token_bound
-from service.admission.images import (DecodedImage, decode_base64_image, decode_image, encode_png, probe_image,
-                                     resize_to, sniff_format)
+from service.admission.images import (RELEASE_AFTER_PIXELS, DecodedImage, decode_base64_image, decode_image,
+                                     encode_png, probe_image, release_freed_memory, resize_to, sniff_format)
 from service.admission.limits import check_request_limits
 from service.admission.presize import presize, processor_size
 from service.admission.prompts import build_prompt, guided_json_for
@@ -218,7 +218,17 @@ def probe_upload(data: bytes, settings, *, allow_pdf: bool = True) -> Upload:
 
 def decode_and_prepare(ctx: AppContext, req: OCRRequest, upload: Upload, engine: EngineInfo, request_id: str,
                        prompt: str | None = None) -> PreparedPage:
-    """Blocking (admission pool): decode the image (or render the PDF's page), then budget, resize, re-encode."""
+    """Blocking (admission pool): decode the image (or render the PDF's page), then budget, resize, re-encode. The
+    decoded pixels are gone when it returns, their memory given back to the system for a large page."""
+    try:
+        return _decode_and_prepare(ctx, req, upload, engine, request_id, prompt)
+    finally:
+        if upload.width * upload.height >= RELEASE_AFTER_PIXELS:
+            release_freed_memory()
+
+
+def _decode_and_prepare(ctx: AppContext, req: OCRRequest, upload: Upload, engine: EngineInfo, request_id: str,
+                        prompt: str | None) -> PreparedPage:
     s = ctx.settings
     started = time.perf_counter()
     try:
@@ -368,11 +378,6 @@ class Charge:
     async def refund(self) -> None:
         """The service refused the work (503 `overloaded`): the tenant gets its tokens back."""
         await self.settle(0.0)
-
-
-async def admit(ctx: AppContext, principal: Principal, cost: float) -> dict[str, str]:
-    """Token bucket for the tenant; raises 429 `rate_limited` (costing the engine nothing)."""
-    return (await Charge(ctx, principal).raise_to(cost)).headers
 
 
 def probe_and_price(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineInfo, *,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.admission.auth import Principal
-from service.admission.images import DecodedImage, decode_image
+from service.admission.images import RELEASE_AFTER_PIXELS, DecodedImage, decode_image, release_freed_memory
 from service.admission.pdf import PdfSession
 from service.admission.workpool import FairSlots
 from service.api.ocr import (Charge, PreparedPage, build_response, parse_output, prepare_decoded_page,
@@ -277,6 +277,16 @@ class JobRunner:
         return staged
 
     def _stage_blocking(self, record: JobRecord, req: OCRRequest, source: JobSource, index: int, info) -> StagedPage:
+        """The page's decoded pixels are gone when it returns, their memory given back for a large page."""
+        try:
+            return self._decode_and_prepare(record, req, source, index, info)
+        finally:
+            width, height = source.sizes[index]
+            if width * height >= RELEASE_AFTER_PIXELS:
+                release_freed_memory()
+
+    def _decode_and_prepare(self, record: JobRecord, req: OCRRequest, source: JobSource, index: int,
+                            info) -> StagedPage:
         s = self.ctx.settings
         number = source.numbers[index]
         started = time.perf_counter()
