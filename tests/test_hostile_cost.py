@@ -1,11 +1,11 @@
 """What a request costs, when it pays, and how memory and CPU stay bounded: hostile tenants against the real service.
 
 Through Ray Serve over real HTTP (mock engine, two ingress replicas sharing Redis, API keys):
-- a job of eight compressible 6300×6300 PNGs (1 MB on the wire, 317 MP decoded) holds a page or two of pixels in the
+- a job of eight compressible 6300×6300 PNGs (0.4 MB on the wire, 317 MP decoded) holds a page or two of pixels in the
   ingress, and gives them back when it is cancelled;
 - a 48 KB PDF whose 50 pages share one heavy content stream, from a tenant whose bucket is empty, gets its 429 before
   any PDFium work (no CPU spent on it), on /v1/jobs, /v1/ocr and the OpenAI endpoints;
-- eight heavy PDFs at once from one tenant leave another tenant's small requests fast;
+- eight heavy PDFs at once per ingress replica from one tenant leave another tenant's small requests fast;
 - a tenant's running jobs are capped (429 `too_many_jobs`), across both ingress replicas;
 - one tenant's job backlog does not starve another tenant's interactive /v1/ocr.
 
@@ -540,7 +540,7 @@ async def test_a_pdf_job_stops_at_its_documents_cpu_budget():
 
 
 async def test_a_jobs_decoded_pixels_are_budgeted_from_the_headers_before_any_decode(monkeypatch):
-    """Finding 3: thirteen 6300² PNGs (516 MP, 1.6 MB on the wire) pass every per-image check, and together exceed
+    """Finding 3: thirteen 6300² PNGs (516 MP, 0.7 MB on the wire) pass every per-image check, and together exceed
     `max_request_pixels` (500 MP): 413 `too_many_pixels`, nothing decoded."""
     from service.admission import images as images_module
     from service.engine.mock import MockEngine
