@@ -68,8 +68,8 @@ class Settings(BaseSettings):
     )
     admission_threads_per_tenant: int = Field(
         2, ge=1, le=64, description="Admission pool threads one tenant may hold at once (at most admission_threads): "
-        "the rest stay free for other tenants, whose waiting work is taken in turn, one tenant after another. Without API "
-        "keys (open mode) everyone is one tenant, which may use every thread."
+        "the rest stay free for other tenants, whose waiting work is taken in turn, one tenant after another. "
+        "Without API keys (open mode) everyone is one tenant, which may use every thread."
     )
     admission_queue_per_tenant: int = Field(
         32, ge=0, description="Admission work items (a decode, a PDF page) one tenant may have waiting for a "

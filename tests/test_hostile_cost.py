@@ -120,7 +120,7 @@ def cancel_all(client: httpx.Client, headers, job_ids) -> None:
                  timeout_s=60)
 
 
-# --- through the deployed service --------------------------------------------------------------------------------------
+# --- through the deployed service -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def costly(serve_app, redis_server_module, tmp_path_factory):
@@ -196,8 +196,9 @@ def test_a_heavy_pdf_from_an_empty_bucket_gets_its_429_before_any_pdf_work(costl
             "ocr 1 page": client.post("/v1/ocr", files={"file": ("h.pdf", one_heavy_page, "application/pdf")},
                                       data={"task": "text"}, headers=headers),
             "ocr image": client.post("/v1/ocr", json={"image": image, "task": "text"}, headers=headers),
-            "chat": client.post("/v1/chat/completions", headers=headers, json={"messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}}]}]}),
+            "chat": client.post("/v1/chat/completions", headers=headers, json={"messages": [{
+                "role": "user", "content": [{"type": "image_url",
+                                             "image_url": {"url": "data:image/png;base64," + image}}]}]}),
             "completions": client.post("/v1/completions", headers=headers, json={"prompt": "", "image": image}),
         }
         elapsed = time.perf_counter() - started
@@ -325,7 +326,7 @@ def test_a_tenants_job_backlog_does_not_starve_another_tenants_ocr(costly):
     assert max(latencies) < 5.0, f"another tenant's /v1/ocr waited {max(latencies):.1f}s behind a job backlog"
 
 
-# --- in-process: the limiter's adjust, fair slots, the admission order, PDF budgets ---------------------------------------
+# --- in-process: the limiter's adjust, fair slots, the admission order, PDF budgets -----------------------------------
 
 class ManualClock:
     def __init__(self):
