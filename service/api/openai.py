@@ -17,6 +17,7 @@ request generate up to its token limit whatever the model says: admin keys only.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
