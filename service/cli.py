@@ -44,10 +44,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
     local.start_ray(num_gpus=None, metrics_export_port=settings.metrics_export_port)
     stop = threading.Event()
+    hurry = threading.Event()  # a second signal: stop waiting for in-flight requests (they still get their 503)
 
     def on_signal(*_):
-        if stop.is_set():  # a second signal: stop waiting for in-flight requests
-            raise KeyboardInterrupt
+        if stop.is_set():
+            hurry.set()
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -62,16 +63,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"ocr-serve: {settings.engine} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "
           f"(POST {url}/v1/ocr, docs {url}/docs, metrics {local.metrics_url()})", flush=True)
     stop.wait()
-    # graceful drain: readiness fails and new work gets 503 at once; in-flight requests get up to the timeout
+    # graceful drain: readiness fails and new work gets 503 at once; in-flight requests get up to the timeout, then
+    # whatever is left gets 503 `shutting_down` (streams a last error event)
     print(f"ocr-serve: draining (in-flight requests get up to {settings.graceful_shutdown_timeout_s:.0f}s)",
           flush=True)
     loop = asyncio.new_event_loop()  # drain and Serve's shutdown share it (local.drain)
-    try:
-        left = local.drain(settings.graceful_shutdown_timeout_s, loop)
-        if left:
-            print(f"ocr-serve: drain timeout, {left} request(s) still in flight", flush=True)
-    except KeyboardInterrupt:
-        print("ocr-serve: second signal, not waiting for in-flight requests", flush=True)
+    outcome = local.drain(settings.graceful_shutdown_timeout_s, loop, hurry)
+    if outcome.in_flight_at_deadline:
+        print(f"ocr-serve: {'second signal' if hurry.is_set() else 'drain timeout'}, "
+              f"{outcome.in_flight_at_deadline} request(s) still in flight", flush=True)
+    if outcome.cut:
+        print(f"ocr-serve: {outcome.cut} open request(s) ended with 503 shutting_down", flush=True)
+    if outcome.left:
+        print(f"ocr-serve: {outcome.left} request(s) could not be ended", flush=True)
     print("ocr-serve: shutting down", flush=True)
     local.shutdown(loop)
     return 0

@@ -37,6 +37,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
                         "non-public address that is not in the allow-list."),
     "ambiguous_credentials": (400, "The request carries more than one API key: a repeated `Authorization` or "
                               "`X-API-Key` header, or both headers with different keys."),
+    "request_timeout": (408, "The request's headers or body arrived too slowly (`header_timeout_s`; `body_timeout_s` "
+                        "and `body_min_rate_bytes_s`); the connection is closed."),
+    "headers_too_large": (431, "The request line and headers together exceed `max_header_bytes`; the connection is "
+                          "closed."),
     "unauthorized": (401, "Missing or invalid API key."),
     "forbidden": (403, "The API key may not use this endpoint, adapter or option (`ignore_eos`/`min_tokens` need "
                   "the admin role)."),
@@ -49,6 +53,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "rate_limited": (429, "The tenant's token bucket is empty; retry after `Retry-After` seconds."),
     "too_many_jobs": (429, "The tenant already has `max_running_jobs_per_tenant` jobs running; retry after "
                       "`Retry-After` seconds or once one of them has finished."),
+    "too_many_concurrent_requests": (429, "The tenant already has `max_concurrent_requests_per_tenant` requests in "
+                                     "flight on this ingress replica; retry after `Retry-After` seconds."),
     "overloaded": (503, "All engine replicas are saturated, or this tenant's image and PDF work already fills its "
                    "share of the ingress's admission queue; retry after `Retry-After` seconds."),
     "rate_limiter_unavailable": (503, "The rate-limit backend failed and fail mode is `closed`."),

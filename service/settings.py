@@ -28,6 +28,26 @@ class Settings(BaseSettings):
         300.0, gt=0, description="Hard limit on one request's time inside the service (engine call included)."
     )
     log_level: str = Field("INFO", description="Python log level of the service's loggers.")
+    max_header_bytes: int = Field(
+        16 * 1024, ge=1024, le=1024 * 1024,
+        description="Largest request line + headers in bytes, counted while they arrive: the HTTP edge (Serve's "
+        "proxy, an ingress replica's own port, HAProxy) answers 431 `headers_too_large` and closes the connection "
+        "before reading more. The edge reads it from the environment (OCR_MAX_HEADER_BYTES; the Helm chart sets it).")
+    header_timeout_s: float = Field(
+        20.0, gt=0, le=600,
+        description="Longest time a request's line and headers may take to arrive, from the connection's opening "
+        "or the request's first byte: 408 `request_timeout` and the connection closed (slow-header clients). Read "
+        "by the HTTP edge from the environment, like max_header_bytes.")
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Time a request's body may take to arrive, extended by one second per body_min_rate_bytes_s "
+        "bytes received: a client that sends slower is cut with 408 `request_timeout`.")
+    body_min_rate_bytes_s: int = Field(
+        1024, ge=0, description="Body bytes per second that earn a slow upload more time beyond body_timeout_s "
+        "(0 = the whole body within body_timeout_s).")
+    max_concurrent_requests_per_tenant: int = Field(
+        64, ge=0, description="Requests to /v1/ one tenant may have in flight on one ingress replica (each replica "
+        "counts its own); past it 429 `too_many_concurrent_requests` with Retry-After. 0 = no cap.")
 
     # --- admission: body and image ------------------------------------------------------------------------------
     max_body_bytes: int = Field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Protocol
@@ -58,6 +59,7 @@ class AppContext:
     engine_info: EngineInfo | None = None
     draining: bool = False  # set on SIGTERM: readiness fails, new work is refused
     in_flight: int = 0  # HTTP requests admitted and not yet answered (drain waits for 0)
+    open_requests: set[asyncio.Task] = field(default_factory=set)  # every HTTP request's task (the drain's cut)
     metrics: IngressMetrics = field(default_factory=IngressMetrics)  # off unless built for a Ray replica
     extras: dict[str, Any] = field(default_factory=dict)  # optional components (metrics, job store)
     # every image decode and PDF sandbox call, shared fairly between tenants (service/admission/workpool.py)

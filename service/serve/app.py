@@ -16,13 +16,14 @@ from ray import serve
 from ray.serve.config import AutoscalingPolicy
 from ray.serve.handle import DeploymentHandle
 
-from service.api.app import create_app
+from service.api.app import create_app, cut_requests
 from service.api.context import AppContext
 from service.engine import make_engine
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
 from service.errors import OCRError
 from service.metrics import EngineMetrics, IngressMetrics
 from service.serve.autoscaling import POLICY_IMPORT_PATH, LatencyWindow
+from service.serve.edge import bind_replica_grpc_to_node_ip
 from service.serve.replica_logs import route_to_replica_log
 from service.settings import Settings
 
@@ -44,6 +45,7 @@ class EngineDeployment:
     replace the replica."""
 
     async def __init__(self, settings: dict[str, Any]):
+        bind_replica_grpc_to_node_ip()
         self.settings = Settings.model_validate(settings)
         route_to_replica_log(self.settings.log_level)
         self.engine = make_engine(self.settings)
@@ -257,11 +259,15 @@ class HttpReplica:
     def __serve_build_asgi_app__(self):
         return create_app(self.ctx)
 
-    async def drain(self) -> dict[str, Any]:
+    async def drain(self, cut: bool = False) -> dict[str, Any]:
         """Start draining this replica (readiness fails, new work gets 503 `shutting_down`); called through a
-        handle by `ocr-serve serve` on SIGTERM, and repeatedly to watch the in-flight count reach 0."""
+        handle by `ocr-serve serve` on SIGTERM, and repeatedly to watch the in-flight count reach 0. With `cut`
+        (the drain's deadline) every request still open is ended: 503 `shutting_down` with Retry-After, or a last
+        error event on a stream (service/api/app.py DrainGate)."""
         self.ctx.draining = True
-        return {"replica": serve.get_replica_context().replica_id.unique_id, "in_flight": self.ctx.in_flight}
+        ended = cut_requests(self.ctx) if cut else 0
+        return {"replica": serve.get_replica_context().replica_id.unique_id, "in_flight": self.ctx.in_flight,
+                "open": len(self.ctx.open_requests), "cut": ended}
 
 
 @serve.ingress()
@@ -269,6 +275,7 @@ class IngressDeployment(HttpReplica):
     """HTTP ingress: builds the FastAPI app around a handle to the engine deployment."""
 
     def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]):
+        bind_replica_grpc_to_node_ip()
         self.settings = Settings.model_validate(settings)
         route_to_replica_log(self.settings.log_level)
         self.ctx = build_context(self.settings, ServeEngineClient(engine))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 from service.settings import Settings
 
@@ -39,10 +41,14 @@ SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRE
 # client's HTTP in place of Serve's Python proxy actor and forwards it to the ingress replicas' own ports, so the
 # ingress no longer fetches the request body back from the proxy. On the H200 it took 7.5 ms per ID card off the
 # time outside the engine (docs/BENCHMARKS.md, thirteenth session). Here it stays opt-in: beside a laptop's CPU
-# engine those milliseconds do not matter, its errors without an ingress replica answer 500 where the proxy answers
-# 503, and its stats page and Prometheus exporter listen on every interface. Those bind fixed ports (8404, 9101);
-# here each gets a free port unless the environment names one, so two services on one machine do not collide.
+# engine those milliseconds do not matter, and its errors without an ingress replica answer 500 where the proxy
+# answers 503. Its stats page and Prometheus exporter bind fixed ports (8404, 9101); here each gets a free port
+# unless the environment names one, so two services on one machine do not collide.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
+# HAProxy runs through service/serve/haproxy.py, which gives it the edge's header cap and header timeout and binds
+# its stats page and exporter to the API's address (Ray's configuration binds them to every interface): Ray runs the
+# binary RAY_SERVE_HAPROXY_BINARY_PATH names, here a shim that runs that module with this interpreter.
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # Ray starts its worker processes (our replicas, and the vLLM EngineCore a replica starts) at nice 15, so that its
 # own daemons stay responsive on a busy node. Linux ranks by nice value within a session (autogroup; machine-wide
 # without it), so beside busy processes of the same session, such as a CI job's or a container's other work, a
@@ -63,11 +69,14 @@ def _free_port() -> int:
 
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None) -> None:
-    for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV, **WORKER_PRIORITY_ENV}.items():
+    from service.serve.edge import PROXY_CALLBACK_ENV
+
+    for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV, **WORKER_PRIORITY_ENV, **PROXY_CALLBACK_ENV}.items():
         os.environ.setdefault(key, value)
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         for key in HAPROXY_PORT_ENV:
             os.environ.setdefault(key, str(_free_port()))
+        os.environ.setdefault(HAPROXY_BINARY_ENV, haproxy_shim())
     import sys
 
     serve_constants = sys.modules.get("ray.serve._private.constants")
@@ -90,6 +99,22 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
         log_to_driver=True,
         _metrics_export_port=metrics_export_port,  # Prometheus endpoint of this node (None = a free port)
     )
+
+
+def haproxy_shim() -> str:
+    """An executable that runs service/serve/haproxy.py with this interpreter (the project need not be installed
+    with its `ocr-haproxy` script); one per user, rewritten atomically at each start."""
+    import sys
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"ocr-serve-{os.getuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, "haproxy")
+    with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as shim:
+        shim.write(f'#!/bin/sh\nexec "{sys.executable}" -m service.serve.haproxy "$@"\n')
+    os.chmod(shim.name, 0o755)
+    os.replace(shim.name, path)
+    return path
 
 
 def metrics_url() -> str | None:
@@ -137,16 +162,30 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"service at {url} not ready after {timeout_s:.0f}s (last error: {last!r})")
 
 
-def drain(timeout_s: float, loop: asyncio.AbstractEventLoop) -> int:
-    """Graceful drain before shutdown: every ingress replica fails readiness and refuses new work, then this waits
-    (at most `timeout_s`) until none has a request in flight. Returns the requests still in flight at the end.
+# After the drain's deadline: how long ending the requests still open may take (each gets its 503 or last stream
+# event at once; this only bounds waiting for every replica to report) before Serve shuts down regardless
+CUT_WAIT_S = 5.0
+
+
+@dataclass
+class DrainOutcome:
+    in_flight_at_deadline: int  # requests doing work still open when the wait ended (0: all finished in time)
+    cut: int  # requests ended by the drain (503 `shutting_down`, or a stream's last error event)
+    left: int  # requests still open when the cut's wait ended (0 unless a replica could not be reached)
+
+
+def drain(timeout_s: float, loop: asyncio.AbstractEventLoop, hurry: threading.Event | None = None) -> DrainOutcome:
+    """Graceful drain before shutdown: every HTTP replica fails readiness and refuses new work, then this waits at
+    most `timeout_s` (less once `hurry` is set: a second signal) until none has a request doing work in flight;
+    then every request still open, streams included, is ended with 503 `shutting_down` and Retry-After (or a last
+    error event), so that Serve's shutdown finds idle replicas and no client is left without an answer.
 
     Runs on `loop`, which the caller keeps open until `shutdown(loop)`: with Serve's throughput-optimized mode a
     handle's router lives on the loop of the code that calls it, and Serve's shutdown still talks to it."""
-    return loop.run_until_complete(_drain(timeout_s))
+    return loop.run_until_complete(_drain(timeout_s, hurry or threading.Event()))
 
 
-async def _drain(timeout_s: float) -> int:
+async def _drain(timeout_s: float, hurry: threading.Event) -> DrainOutcome:
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
@@ -159,25 +198,39 @@ async def _drain(timeout_s: float) -> int:
         replicas = max(1, deployments[http_deployment].replica_states.get("RUNNING", 1))
     except Exception as exc:  # app never came up: nothing to drain
         log.warning("drain skipped: %s: %s", type(exc).__name__, str(exc)[:300])
-        return 0
+        return DrainOutcome(0, 0, 0)
     # a handle of this loop only (not Serve's per-process cache): serve.shutdown() later must not find a router
     # bound to a loop that is closed by then
     handle = DeploymentHandle(http_deployment, APP_NAME)
-    in_flight: dict[str, int] = {}  # replica → last reported count; a drained replica's count only goes down
-    try:
+
+    async def reports_until(done, until: float, cut: bool) -> tuple[dict[str, dict], int]:
+        """Call the replicas' `drain` (each call reaches one replica) until every replica's last report satisfies
+        `done`, or `until` passes (or, while waiting, a second signal comes). Returns the last report per replica
+        and how many requests the calls ended."""
+        reports: dict[str, dict] = {}
+        ended = 0
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = until - time.monotonic()
             try:
-                state = await asyncio.wait_for(handle.drain.remote(), timeout=max(1.0, remaining))
-                in_flight[state["replica"]] = state["in_flight"]
+                state = await asyncio.wait_for(handle.drain.remote(cut=cut), timeout=max(1.0, remaining))
+                reports[state["replica"]] = state
+                ended += state["cut"]
             except Exception as exc:  # a replica that cannot answer has nothing we can wait for
                 log.warning("drain call failed: %s: %s", type(exc).__name__, str(exc)[:200])
-            # calls go to a random replica: keep calling until every replica has reported (and reports 0)
-            if len(in_flight) >= replicas and not any(in_flight.values()):
-                return 0
-            if remaining <= 0:
-                return sum(in_flight.values())
-            await asyncio.sleep(0.2)
+            if len(reports) >= replicas and all(done(state) for state in reports.values()):
+                return reports, ended
+            if remaining <= 0 or (hurry.is_set() and not cut):
+                return reports, ended
+            await asyncio.sleep(0.1 if cut else 0.2)
+
+    try:
+        waited, _ = await reports_until(lambda state: not state["in_flight"], deadline, cut=False)
+        # streams and polls (not waited for) and whatever outlived the deadline: ended now, so that no replica
+        # holds Serve's shutdown for its own graceful timeout
+        after_cut, ended = await reports_until(lambda state: not state["open"], time.monotonic() + CUT_WAIT_S,
+                                               cut=True)
+        return DrainOutcome(in_flight_at_deadline=sum(state["in_flight"] for state in waited.values()), cut=ended,
+                            left=sum(state["open"] for state in after_cut.values()))
     finally:
         await handle.shutdown_async()
 
