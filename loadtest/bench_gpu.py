@@ -180,7 +180,9 @@ def service_settings(args: argparse.Namespace, kit: Path, gpu_memory_gib: float 
     Where the GPU is known, vLLM's memory share is sized to the KV budget: vLLM checks at start that the share is
     free, and engines starting side by side each need only theirs (the KV size itself is fixed in bytes)."""
     settings: dict[str, Any] = {"engine": "vllm", "model": str(kit), "kv_cache_memory_gb": args.kv_budget_gb,
-                                "bench_fixed_output_tokens": True, "rate_limit_enabled": False}
+                                "bench_fixed_output_tokens": True, "rate_limit_enabled": False,
+                                # every client is the one (anonymous) tenant
+                                "max_concurrent_requests_per_tenant": 0}
     if args.tiny:
         settings.update(engine_num_gpus=0, dtype="float32")
     else:

@@ -53,13 +53,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    url = local.run_app(settings)
+    url = local.run_app(settings, stop=stop)
     if settings.api_keys_file is None:
         from service.admission.auth import announce_open_service
 
         announce_open_service()
     # before the ready line, which is what scripts wait for
     print(f"ocr-serve: replica logs in {local.replica_logs_dir()}", flush=True)
+    print(f"ocr-serve: Ray cluster at {local.ray_address()} (`ocr-serve drain --address` it)", flush=True)
     print(f"ocr-serve: {settings.engine} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "
           f"(POST {url}/v1/ocr, docs {url}/docs, metrics {local.metrics_url()})", flush=True)
     stop.wait()
@@ -79,6 +80,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print("ocr-serve: shutting down", flush=True)
     local.shutdown(loop)
     return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """What `serve` does on SIGTERM, for a Serve app that runs in a cluster of its own (the Helm chart's head pod
+    runs it before `ray stop`): new work gets 503, in-flight requests get up to the timeout, then whatever is left
+    gets 503 `shutting_down`. Ray and Serve keep running."""
+    from service.serve import local
+    from service.settings import Settings
+
+    timeout_s = args.timeout_s if args.timeout_s is not None else \
+        Settings.model_fields["graceful_shutdown_timeout_s"].default
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    local.connect_ray(args.address)
+    loop = asyncio.new_event_loop()
+    try:
+        outcome = local.drain(timeout_s, loop)
+    finally:
+        loop.close()
+    print(f"ocr-serve drain: {outcome.in_flight_at_deadline} request(s) in flight at the deadline, {outcome.cut} "
+          f"open request(s) ended with 503 shutting_down, {outcome.left} left", flush=True)
+    return 0 if not outcome.left else 1
 
 
 def cmd_ocr(args: argparse.Namespace) -> int:
@@ -133,6 +155,15 @@ def _add_serve(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _add_drain(sub) -> None:
+    p = sub.add_parser("drain", help="drain a running service's HTTP replicas (503 to new work, in-flight requests "
+                                     "finish or get 503 at the deadline); Ray keeps running")
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: the one on this machine)")
+    p.add_argument("--timeout-s", type=float, help="seconds in-flight requests get (default: the "
+                   "graceful_shutdown_timeout_s default)")
+    p.set_defaults(func=cmd_drain)
+
+
 def _add_ocr(sub) -> None:
     p = sub.add_parser("ocr", help="send a file to a running service and print the JSON result")
     p.add_argument("file")
@@ -153,7 +184,7 @@ def _add_config(sub) -> None:
 
 
 # Each entry adds one subcommand; feature modules append theirs here.
-COMMANDS: list[Callable] = [_add_serve, _add_ocr, _add_config]
+COMMANDS: list[Callable] = [_add_serve, _add_drain, _add_ocr, _add_config]
 
 
 def _optional_commands() -> list[Callable]:

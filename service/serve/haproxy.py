@@ -11,8 +11,9 @@ arguments:
 - `global`: `tune.bufsize` large enough to hold a head of `max_header_bytes` plus HAProxy's rewrite reserve, so that
   the cap below can see it. A head larger than the buffer is refused by HAProxy itself with its own 400 page
   (memory stays one buffer per connection).
-- `defaults`: `timeout http-request` = `header_timeout_s` (the whole head must arrive within it; HAProxy answers
-  408), and 408 answers carry the API's JSON error body.
+- `defaults`: `timeout http-request` = `header_timeout_s` (the whole head must arrive within it). HAProxy answers
+  with its own 408 page: HAProxy 2.8 sends the errors of its HTTP/1 parser (this 408, the 400 above) without
+  `errorfile`/`http-error` replacements.
 - `frontend http_frontend`: 431 `headers_too_large` when the headers exceed `max_header_bytes`.
 - the stats page and the Prometheus exporter bind the address the API binds (loopback for the local service, all
   interfaces in a pod, where the API listens on 0.0.0.0).
@@ -76,12 +77,8 @@ def rewrite_config(text: str, limits: EdgeLimits) -> tuple[str, list[str]]:
 
     if "defaults" in sections:
         start, end = sections["defaults"]
-        timeout = max(1, math.ceil(limits.header_timeout_s))
-        body = json.dumps(OCRError("request_timeout", f"the request line and headers did not arrive within "
-                                   f"{timeout} s").body())
         dropped.update(i for i in range(start, end) if re.match(r"^\s+timeout\s+http-request\s", lines[i]))
-        after[start] += [f"    timeout http-request {timeout}s",
-                         f"    http-error status 408 content-type application/json string '{body}'"]
+        after[start].append(f"    timeout http-request {max(1, math.ceil(limits.header_timeout_s))}s")
     else:
         missing.append("the defaults section")
 

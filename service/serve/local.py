@@ -117,12 +117,40 @@ def haproxy_shim() -> str:
     return path
 
 
+def connect_ray(address: str) -> None:
+    """Join a running cluster as a driver (`ocr-serve drain`): `auto` = the one on this machine, else its GCS
+    address as `ocr-serve serve` prints it."""
+    host = address.rsplit(":", 1)[0]
+    loopback = host in ("127.0.0.1", "localhost")
+    # the handles of this process must speak the replicas' mode; on loopback, Ray must not swap the address given
+    # for the host's own
+    for key, value in {**SERVE_MODE_ENV, **(LOOPBACK_ENV if loopback else {})}.items():
+        os.environ.setdefault(key, value)
+    if address != "auto" and "RAY_AUTH_MODE" not in os.environ and (
+            os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(os.path.expanduser("~/.ray/auth_token"))):
+        # what ray.init does for a cluster it finds itself (`auto`), never for a named one: a local cluster takes
+        # this user's token by default
+        os.environ["RAY_AUTH_MODE"] = "token"
+    import ray
+
+    # a cluster on loopback (`ocr-serve serve`): this driver is on that node only at its loopback address
+    node_ip = {"_node_ip_address": host} if loopback else {}
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **node_ip)
+
+
 def metrics_url() -> str | None:
     """Prometheus endpoint of this node's Ray metrics agent (the service's `ocr_*` metrics; docs/METRICS.md)."""
     import ray
 
     ports = [n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
     return f"http://127.0.0.1:{ports[0]}/metrics" if ports else None
+
+
+def ray_address() -> str:
+    """The address of this process's Ray cluster (its GCS), as `ray.init(address=…)` takes it."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
 
 
 def replica_logs_dir() -> str | None:
@@ -135,8 +163,9 @@ def replica_logs_dir() -> str | None:
     return os.path.join(logs(), "serve") if callable(logs) else None
 
 
-def run_app(settings: Settings, *, wait_ready_s: float = 600.0) -> str:
-    """Deploy the app and wait until `/readyz` answers 200; returns the base URL."""
+def run_app(settings: Settings, *, wait_ready_s: float = 600.0, stop: threading.Event | None = None) -> str:
+    """Deploy the app and wait until `/readyz` answers 200 (or `stop` is set: a signal during start-up goes straight
+    to the drain); returns the base URL."""
     from ray import serve
 
     from service.serve.app import build_app
@@ -144,14 +173,14 @@ def run_app(settings: Settings, *, wait_ready_s: float = 600.0) -> str:
     serve.start(http_options={"host": settings.host, "port": settings.port}, detached=False)
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
     url = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else settings.host}:{settings.port}"
-    wait_ready(url, wait_ready_s)
+    wait_ready(url, wait_ready_s, stop)
     return url
 
 
-def wait_ready(url: str, timeout_s: float) -> None:
+def wait_ready(url: str, timeout_s: float, stop: threading.Event | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     last = None
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
         try:
             with urllib.request.urlopen(url + "/readyz", timeout=30) as resp:
                 if resp.status == 200:
@@ -159,6 +188,8 @@ def wait_ready(url: str, timeout_s: float) -> None:
         except Exception as exc:  # not up yet
             last = exc
         time.sleep(0.5)
+    if stop is not None and stop.is_set():
+        return
     raise TimeoutError(f"service at {url} not ready after {timeout_s:.0f}s (last error: {last!r})")
 
 
