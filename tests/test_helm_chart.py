@@ -5,6 +5,7 @@ unknown fields included), and its serveConfigV2 builds the real Serve applicatio
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -277,22 +278,70 @@ def test_serve_mode_and_front_end_are_set_on_every_ray_container():
         return [{e["name"]: e["value"] for e in pod["containers"][0]["env"] if e["name"].startswith("RAY_SERVE_")}
                 for pod in pods]
 
+    from service.serve.edge import PROXY_CALLBACK_ENV
     from service.serve.local import SERVE_MODE_ENV
 
     # the default: the throughput-optimized mode as `ocr-serve serve` has it, with HAProxy as the front end, which
-    # keeps Ray's hold on a stopping ingress replica (HAProxy is the balancer that hold is for)
+    # keeps Ray's hold on a stopping ingress replica (HAProxy is the balancer that hold is for); HAProxy runs through
+    # the image's ocr-haproxy and Serve's HTTP servers call the edge's callback, as `ocr-serve serve` has them
     haproxy = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": SERVE_MODE_ENV["RAY_SERVE_THROUGHPUT_OPTIMIZED"],
                "RAY_SERVE_ENABLE_HA_PROXY": "1",
                # bodies and pages over gRPC's 4 MiB reach the replicas, in every mode and front end
-               "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": SERVE_MODE_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]}
+               "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": SERVE_MODE_ENV["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"],
+               "RAY_SERVE_HAPROXY_BINARY_PATH": "/opt/venv/bin/ocr-haproxy", **PROXY_CALLBACK_ENV}
     assert modes(rendered_objects(render_chart())) == [haproxy] * 2
     # the proxy actor: `ocr-serve serve`'s variables, and direct ingress off so that the proxy runs on every pod
     assert modes(rendered_objects(render_chart({"rayServeHaProxy": False}))) == [
-        {**SERVE_MODE_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}] * 2
+        {**SERVE_MODE_ENV, **PROXY_CALLBACK_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0",
+         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}] * 2
     assert modes(rendered_objects(render_chart({"rayServeHaProxy": False, "rayServeThroughputOptimized": False}))) \
-        == [{**SERVE_MODE_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0", "RAY_SERVE_ENABLE_HA_PROXY": "0"}] * 2
+        == [{**SERVE_MODE_ENV, **PROXY_CALLBACK_ENV, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
+             "RAY_SERVE_ENABLE_HA_PROXY": "0"}] * 2
     assert modes(rendered_objects(render_chart({"rayServeThroughputOptimized": False}))) == [
         {**haproxy, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}] * 2  # HAProxy turns direct ingress on by itself
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_termination_grace_covers_the_drain(chart_renders, scenario):
+    """The head pod holds the ingress replicas: its preStop drains them (graceful_shutdown_timeout_s, then 503s
+    within CUT_WAIT_S, after joining the cluster) before `ray stop`, all inside the grace period. Engine pods are
+    drained by Ray for engine.drainSeconds, which must leave their replicas the graceful timeout."""
+    from service.serve.local import CUT_WAIT_S
+
+    objects = chart_renders[scenario]
+    cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
+    args = _serve_config(objects)["applications"][0]["args"]
+    graceful = args.get("graceful_shutdown_timeout_s", 30)
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    command = " ".join(head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"])
+    drain = re.search(r"ocr-serve drain --timeout-s (\d+)", command)
+    stop = re.search(r"ray stop --grace-period (\d+)", command)
+    assert drain and stop and drain.start() < stop.start(), command
+    assert int(drain.group(1)) == graceful
+    join_s, spare_s = 10, 5
+    assert head["terminationGracePeriodSeconds"] >= graceful + CUT_WAIT_S + join_s + int(stop.group(1)) + spare_s
+    engine = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    engine_command = " ".join(engine["containers"][0]["lifecycle"]["preStop"]["exec"]["command"])
+    drain_seconds = int(re.search(r"sleep (\d+)", engine_command).group(1))
+    assert drain_seconds >= graceful + 10
+    assert engine["terminationGracePeriodSeconds"] > drain_seconds
+
+
+def test_drain_seconds_below_the_graceful_timeout_are_refused():
+    with pytest.raises(Exception, match="drainSeconds"):
+        render_chart({"engine": {"drainSeconds": 30}, "settings": {"graceful_shutdown_timeout_s": 60}})
+
+
+def test_edge_limits_reach_the_edge_and_the_app():
+    """The header cap and deadline are read by HAProxy / Serve's proxy from the environment and by the app from its
+    args: both get the value from settings."""
+    objects = rendered_objects(render_chart({"settings": {"max_header_bytes": 32768, "header_timeout_s": 7}}))
+    cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]:
+        env = {e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert env["OCR_MAX_HEADER_BYTES"] == "32768" and env["OCR_HEADER_TIMEOUT_S"] == "7"
+    args = _serve_config(objects)["applications"][0]["args"]
+    assert args["max_header_bytes"] == 32768 and args["header_timeout_s"] == 7
 
 
 def test_monitoring_objects(chart_renders):

@@ -73,6 +73,10 @@ def _chart_ray_env(values: dict) -> tuple[dict[str, str], str]:
 def _front_ends(ray_env: dict[str, str], proxy_location: str, *, healthy: bool = False) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
     env.update(ray_env)
+    if "RAY_SERVE_HAPROXY_BINARY_PATH" in env:  # the image's ocr-haproxy: here, the same program through a shim
+        from service.serve.local import haproxy_shim
+
+        env["RAY_SERVE_HAPROXY_BINARY_PATH"] = haproxy_shim()
     # HAProxy's stats and exporter ports are fixed (8404, 9101) unless named; free ones keep this test off them
     # and its files go to a short directory of this test (its admin socket's path must stay under 108 bytes)
     with tempfile.TemporaryDirectory(prefix="hap-", dir="/tmp") as files:

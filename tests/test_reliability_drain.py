@@ -6,18 +6,14 @@ complete with 200, then the process exits 0.
 from __future__ import annotations
 
 import base64
-import os
 import signal
-import subprocess
-import sys
 import threading
 
 import httpx
 import pytest
 
-from loadtest.common import free_port
 from tests.fixtures.documents import render_document
-from tests.fixtures.reliability import wait_for
+from tests.fixtures.reliability import ServeProcess, wait_for
 
 pytestmark = pytest.mark.ray
 
@@ -39,31 +35,13 @@ SERVE_SETUPS = {"standard": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
 
 @pytest.fixture(params=list(SERVE_SETUPS))
 def serving_process(tmp_path, request):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "OCR_"))}
-    env.update({"OCR_MOCK_DELAY_S": str(MOCK_DELAY_S), "OCR_RATE_LIMIT_ENABLED": "false",
-                "OCR_GRACEFUL_SHUTDOWN_TIMEOUT_S": "120", "OCR_MAX_ONGOING_REQUESTS": "32",
-                **SERVE_SETUPS[request.param]})
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--engine", "mock", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    service = ServeProcess(tmp_path / "serve.log", {
+        "OCR_MOCK_DELAY_S": str(MOCK_DELAY_S), "OCR_RATE_LIMIT_ENABLED": "false",
+        "OCR_GRACEFUL_SHUTDOWN_TIMEOUT_S": "120", "OCR_MAX_ONGOING_REQUESTS": "32", **SERVE_SETUPS[request.param]})
     try:
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"ocr-serve exited early: {(tmp_path / 'serve.log').read_text()[-3000:]}")
-            try:
-                return httpx.get(url + "/readyz", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(ready, 300, interval_s=0.5, what="ocr-serve ready")
-        yield proc, url, tmp_path / "serve.log"
-    finally:
-        if proc.poll() is None:  # the test failed before the process exited: stop it and its Ray cluster
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-        log.close()
+        yield service.proc, service.url, service.log_path
+    finally:  # the test failed before the process exited: stop it and its Ray cluster
+        service.stop()
 
 
 def test_sigterm_drains_in_flight_requests(serving_process):

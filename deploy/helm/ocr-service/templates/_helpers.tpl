@@ -150,6 +150,22 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
 - name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
   value: "0"
 {{- end }}
+# the HTTP edge (service/serve/edge.py): Serve's proxy and the ingress replicas' own ports parse HTTP with a cap on
+# the request's headers and a deadline for them, read from the OCR_* variables below
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: service.serve.edge:proxy_callback
+{{- if .Values.rayServeHaProxy }}
+# HAProxy runs through the image's `ocr-haproxy` (service/serve/haproxy.py): the same cap and deadline, and its stats
+# page and exporter bound where the API is
+- name: RAY_SERVE_HAPROXY_BINARY_PATH
+  value: /opt/venv/bin/ocr-haproxy
+{{- end }}
+{{- range $name := list "max_header_bytes" "header_timeout_s" }}
+{{- if hasKey $.Values.settings $name }}
+- name: OCR_{{ upper $name }}
+  value: {{ index $.Values.settings $name | quote }}
+{{- end }}
+{{- end }}
 - name: HF_HUB_OFFLINE
   value: "1"
 - name: TRANSFORMERS_OFFLINE
