@@ -2,9 +2,9 @@
 
 In Ray Serve that is uvicorn (httptools) inside Serve's proxy actor and, in the throughput-optimized mode, inside
 each ingress replica for its own port ("direct ingress"); with RAY_SERVE_ENABLE_HA_PROXY=1 it is HAProxy
-(service/serve/haproxy.py). uvicorn has no limit on a request's headers (a 64 MiB `Authorization` header was held
-whole, +193 MiB in the proxy) and no timeout for them (a client that sends a byte a second holds its connection for
-ever). Serve offers no setting for either, but it calls a function of ours in every process that starts such a
+(service/serve/haproxy.py). uvicorn has no limit on a request's headers (it holds a 64 MiB `Authorization` header
+whole: +193 MiB in Serve's proxy) and no timeout for them (a client that sends a byte a second holds its connection
+for ever). Serve offers no setting for either, but it calls a function of ours in every process that starts such a
 server (`RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`, read by Serve's proxy and by replicas before their own HTTP
 server starts): `proxy_callback` there makes uvicorn parse HTTP with `EdgeHttpProtocol`, which counts the request
 line and headers while they arrive and answers 431 `headers_too_large` past `max_header_bytes`, or 408
