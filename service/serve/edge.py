@@ -141,6 +141,12 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._refused = True
         self._reading_head = False
         self._stop_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete:
+            # an earlier (pipelined) request's response is still going out: it ends the connection, nothing more
+            # of this one is read
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
         body = json.dumps(OCRError(code, message).body()).encode()
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n%s" % (status, REASONS[status], len(body), body))
