@@ -91,7 +91,7 @@ def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s:
     from PIL import Image
 
     from service.engine import make_engine
-    from service.settings import Settings
+    from service.config import Settings
 
     documents = make_documents("a4", docs) + make_documents("id_card", docs)
     uploads = [(doc, fmt, data, mime) for doc in documents

@@ -200,8 +200,8 @@ def raw_engine_args(settings: dict[str, Any]) -> dict[str, Any]:
     server's flags. Stats stay on there: its /metrics histograms say where a request's time went."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from service.engine.vllm_engine import VLLMEngine
-    from service.settings import Settings
+    from service.engine.vllm.engine import VLLMEngine
+    from service.config import Settings
 
     ours = VLLMEngine(Settings(**settings)).engine_args()
     defaults = AsyncEngineArgs(model=ours.model)
@@ -326,14 +326,14 @@ class Bench:
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
 
     def prepare(self) -> None:
-        from service.modelkit import write_kit
+        from service.cli.modelkit import write_kit
 
         self.out.mkdir(parents=True, exist_ok=True)
         kit = Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if self.args.tiny else "ocr-bench-kit")
         self.results["model_kit"] = write_kit(kit, tiny=self.args.tiny, weights=self.args.tiny)
         self.kit = kit
         self.settings = service_settings(self.args, kit, self.results["environment"].get("gpu_memory_gib"))
-        from service.settings import Settings
+        from service.config import Settings
 
         effective = Settings(**self.settings)  # the defaults the service's engine runs with
         self.processor_backend, self.torch_threads = effective.image_processor_backend, effective.engine_torch_threads

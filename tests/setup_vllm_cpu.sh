@@ -52,8 +52,8 @@ for pkg in torchaudio torchcodec triton; do
   fi
 done
 
-# 3. the vLLM general plugin entry point (service.engine.vllm_plugin:register)
-if ! $PY -c "from importlib.metadata import entry_points as e; import sys; sys.exit(0 if any(p.value.startswith('service.engine.vllm_plugin') for p in e(group='vllm.general_plugins')) else 1)"; then
+# 3. the vLLM general plugin entry point (service.engine.vllm.plugin:register)
+if ! $PY -c "from importlib.metadata import entry_points as e; import sys; sys.exit(0 if any(p.value.startswith('service.engine.vllm.plugin') for p in e(group='vllm.general_plugins')) else 1)"; then
   $PY -m pip install -q -e "$ROOT" --no-deps
   echo "setup_vllm_cpu: registered the vLLM plugin entry point"
 fi

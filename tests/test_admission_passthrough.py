@@ -95,7 +95,7 @@ async def test_a_jpeg_is_re_encoded_as_png():
 def test_base64_may_be_wrapped_in_any_whitespace_but_nothing_else():
     import pytest
 
-    from service.admission.images import decode_base64_image
+    from service.imaging import decode_base64_image
     from service.errors import OCRError
 
     upload = png(page(size=(64, 32)))
@@ -171,7 +171,7 @@ def test_an_engine_request_holds_exactly_one_whole_image():
 def test_only_a_bare_rgb8_png_with_right_crcs_may_skip_the_ingress_decode():
     import zlib
 
-    from service.admission.images import bare_rgb_png_size
+    from service.imaging import bare_rgb_png_size
     from tests.fixtures.hostile import bare_png, png_chunk
 
     rows = [zlib.compress(b"".join(b"\x00" + bytes(30) for _ in range(5)))]
@@ -211,13 +211,13 @@ async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refus
     resized one is. Corrupt pixels behind right CRCs reach the engine, whose decode answers `invalid_image`; with
     `ingress` the ingress refuses them and the engine never sees them. Damage that breaks a CRC is refused by the
     ingress either way."""
-    from service.admission.images import decode_image
+    from service.imaging import decode_image
     from service.api import ocr
     from tests.fixtures.hostile import bare_png
-    from service.api.context import AppContext
-    from service.api.protocol import OCRRequest
+    from service.pipeline.context import AppContext
+    from service.schema import OCRRequest
     from service.engine.protocol import EngineInfo
-    from service.settings import Settings
+    from service.config import Settings
 
     s = Settings()
     assert s.png_pixel_check == "engine"

@@ -22,12 +22,12 @@ from service.admission.auth import (
     make_authenticator,
     require_admin,
 )
-from service.admission.keys import add_key, revoke_key, write_key_file
-from service.api.app import create_app
-from service.cli import main as cli_main
+from service.cli.keys import add_key, revoke_key, write_key_file
+from service.http.app import create_app
+from service.cli.main import main as cli_main
 from service.engine.mock import MockEngine
 from service.errors import OCRError
-from service.settings import Settings
+from service.config import Settings
 
 
 def png_b64() -> str:

@@ -31,7 +31,7 @@ def vllm_image_tokens(processor, width: int, height: int) -> int:
     from vllm.multimodal.processing.context import TimingContext
     from vllm.multimodal.processing.inputs import ProcessorInputs
 
-    from service.engine.vllm_engine import IMAGE_END, IMAGE_START, IMAGE_TOKEN, IMAGE_TOKEN_ID
+    from service.engine.vllm.engine import IMAGE_END, IMAGE_START, IMAGE_TOKEN, IMAGE_TOKEN_ID
 
     tokenizer = processor.info.get_tokenizer()
     prompt = tokenizer.encode(f"<｜hy_begin▁of▁sentence｜>{IMAGE_START}{IMAGE_TOKEN}{IMAGE_END}Read.<｜hy_User｜>",

@@ -21,10 +21,10 @@ from schemathesis.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from service.api.app import create_app  # noqa: E402
-from service.api.context import AppContext  # noqa: E402
+from service.http.app import create_app  # noqa: E402
+from service.pipeline.context import AppContext  # noqa: E402
 from service.engine.mock import MockEngine  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from service.config import Settings  # noqa: E402
 
 SEED = 20261130
 EXAMPLES_PER_OPERATION = 200

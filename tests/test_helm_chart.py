@@ -25,7 +25,7 @@ def test_ci_scenarios_exist():
 
 
 def test_chart_copies_and_schema_are_in_sync():
-    """deploy/grafana (canonical) → files/grafana copies, service/settings.py → values.schema.json `settings`."""
+    """deploy/grafana (canonical) → files/grafana copies, service/config.py → values.schema.json `settings`."""
     proc = subprocess.run([sys.executable, str(REPO / "deploy/helm/sync_chart.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -124,7 +124,7 @@ def test_settings_schema_covers_every_setting():
     sys.path.insert(0, str(REPO / "deploy/helm"))
     from sync_chart import CHART_MANAGED_SETTINGS
 
-    from service.settings import Settings
+    from service.config import Settings
 
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
     settable = set(schema["properties"]["settings"]["properties"])
@@ -345,7 +345,7 @@ def test_edge_limits_reach_the_edge_and_the_app():
 
 
 def test_monitoring_objects(chart_renders):
-    from service.metrics import METRIC_RELABEL_CONFIGS
+    from service.observability.metrics import METRIC_RELABEL_CONFIGS
 
     objects = chart_renders["gpu-production"]
     rule = find(objects, "PrometheusRule")[0]

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from PIL import Image, ImageDraw
 
-from service.admission.keys import add_key
+from service.cli.keys import add_key
 from service.errors import OCRError
 from tests.fixtures.pdfs import heavy_content_pdf
 from tests.fixtures.reliability import replica_processes
@@ -594,10 +594,10 @@ async def test_a_job_keeps_its_upload_and_decodes_a_page_when_it_is_dispatched(m
 async def test_a_tenants_running_jobs_are_capped_in_process():
     """Finding 11, one ingress without Redis: `too_many_jobs` past the cap, per tenant; a cancelled job's slot is
     free again once its runner has stopped."""
-    from service.api.app import create_app
-    from service.api.context import AppContext
+    from service.http.app import create_app
+    from service.pipeline.context import AppContext
     from service.engine.mock import MockEngine
-    from service.settings import Settings
+    from service.config import Settings
     from tests.test_jobs import BearerTenants
 
     ctx = AppContext(settings=Settings(max_running_jobs_per_tenant=2), engine=MockEngine(delay_s=0.2),
@@ -650,10 +650,10 @@ async def test_the_redis_job_slots_are_shared_leased_and_given_back(redis_server
 async def test_the_page_scheduler_takes_the_tenants_jobs_in_turn():
     """Finding 11: one slot for job pages; tenant a's long job was first, tenant b's short job still gets every
     other page instead of waiting for a's whole job."""
-    from service.api.app import create_app
-    from service.api.context import AppContext
+    from service.http.app import create_app
+    from service.pipeline.context import AppContext
     from service.engine.mock import MockEngine
-    from service.settings import Settings
+    from service.config import Settings
     from tests.test_jobs import BearerTenants
 
     engine = MockEngine(delay_s=0.05)

@@ -31,12 +31,12 @@ import psutil
 import pytest
 from starlette.testclient import TestClient
 
-from service.admission.keys import add_key
-from service.api.app import create_app
-from service.api.context import AppContext
+from service.cli.keys import add_key
+from service.http.app import create_app
+from service.pipeline.context import AppContext
 from service.engine.mock import MockEngine
 from service.errors import ERROR_CODES
-from service.settings import Settings
+from service.config import Settings
 from tests.fixtures.documents import render_document
 from tests.fixtures.reliability import ServeProcess, wait_for
 
@@ -355,7 +355,7 @@ def test_drain_past_its_deadline_answers_every_client(tmp_path, drain_trigger):
             service.proc.send_signal(signal.SIGTERM)
         else:
             address = re.search(r"Ray cluster at (\S+)", service.log()).group(1)
-            drained = subprocess.run([sys.executable, "-m", "service.cli", "drain", "--address", address,
+            drained = subprocess.run([sys.executable, "-m", "service.cli.main", "drain", "--address", address,
                                       "--timeout-s", str(DRAIN_BOUND_S)], env=service.env, capture_output=True,
                                      text=True, timeout=120)
             assert drained.returncode == 0, drained.stdout + drained.stderr
@@ -452,7 +452,7 @@ class StallingEngine(MockEngine):
 @pytest.mark.parametrize("path,stream_frame", [("/v1/ocr", b"event: error\ndata: "),
                                                ("/v1/chat/completions", b"\n\ndata: {\"error\"")])
 async def test_drain_cut_answers_open_requests_and_ends_streams(path, stream_frame):
-    from service.api.app import cut_requests
+    from service.http.app import cut_requests
 
     ctx, app = app_for(StallingEngine(delay_s=0.0))
     image = page_body()["image"]

@@ -17,12 +17,12 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from service.api.app import create_app
-from service.api.context import AppContext
+from service.http.app import create_app
+from service.pipeline.context import AppContext
 from service.engine import make_engine
 from service.engine.mock import MockEngine
 from service.errors import ERROR_CODES
-from service.settings import Settings
+from service.config import Settings
 from tests.fixtures.hostile import HOSTILE_SETTINGS, SPECIAL_TOKENS, HostileCase, b64, encode, matrix, page
 from tests.fixtures.reliability import chunked, raw_http, replica_processes, rss_bytes, settled_rss_bytes
 

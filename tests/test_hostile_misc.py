@@ -23,17 +23,17 @@ import pytest
 from PIL import Image
 
 from service.admission.auth import KeyFileAuthenticator, key_from_headers
-from service.admission.keys import add_key, revoke_key
+from service.cli.keys import add_key, revoke_key
 from service.admission.ratelimit import make_redis_client
 from service.admission.redis_state import MARKER_KEY, RedisStateWatch
-from service.api.app import create_app
-from service.api.context import AppContext
+from service.http.app import create_app
+from service.pipeline.context import AppContext
 from service.engine.mock import MockEngine
 from service.errors import OCRError
 from service.jobs import runner as runner_module
 from service.jobs.webhook import validate_webhook
-from service.metrics import IngressMetrics
-from service.settings import Settings
+from service.observability.metrics import IngressMetrics
+from service.config import Settings
 
 WAIT_S = 60.0
 SECRET_ADAPTER = "acme-private-invoices"

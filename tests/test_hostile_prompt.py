@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 from PIL import Image
 
-from service.settings import Settings
+from service.config import Settings
 
 # The regex the sanitiser is defined by (service/admission/prompts.py): removal repeated until nothing changes.
 SPECIAL_TOKEN = re.compile(r"<\s*[｜|][^<>]{0,128}?[｜|]\s*>|<[｜|]|[｜|]>|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -181,7 +181,7 @@ class _RecordingMetrics:
     """IngressMetrics' request hook, recorded."""
 
     def __init__(self):
-        from service.metrics import IngressMetrics
+        from service.observability.metrics import IngressMetrics
 
         self.inner = IngressMetrics()
         self.finished: list[tuple[int, str]] = []
@@ -194,8 +194,8 @@ class _RecordingMetrics:
 
 
 def make_app(engine_delay_s: float = 0.0):
-    from service.api.app import create_app
-    from service.api.context import AppContext
+    from service.http.app import create_app
+    from service.pipeline.context import AppContext
     from service.engine.mock import MockEngine
 
     settings = Settings(engine="mock", rate_limit_enabled=False)
@@ -303,7 +303,7 @@ async def test_json_bodies_with_too_many_items_are_refused_before_parsing(app_cl
 
 
 async def test_message_and_part_counts_are_bounded(app_client):
-    from service.api.openai import MAX_CONTENT_PARTS, MAX_MESSAGES
+    from service.http.openai.router import MAX_CONTENT_PARTS, MAX_MESSAGES
 
     client, _, _ = app_client
     system = {"role": "system", "content": "be brief"}

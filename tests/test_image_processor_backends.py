@@ -23,7 +23,7 @@ def processors(tmp_path_factory):
     pytest.importorskip("torchvision")
     from transformers import AutoImageProcessor
 
-    from service.modelkit import write_kit
+    from service.cli.modelkit import write_kit
 
     kit = tmp_path_factory.mktemp("kit")
     write_kit(kit, tiny=False, weights=False)
@@ -58,7 +58,7 @@ def test_both_backends_give_the_same_patches(processors, size):
 
 @pytest.mark.parametrize("transport", ["png", "pixels"])
 def test_the_engines_page_gives_each_backend_what_the_pil_image_gives_it(processors, transport):
-    from service.engine.vllm_engine import engine_image
+    from service.engine.vllm.engine import engine_image
 
     png, image = page(PAGES["ID card"])
     pixels = {"image_rgb": image.tobytes()} if transport == "pixels" else {"image_png": png}

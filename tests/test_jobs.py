@@ -13,11 +13,11 @@ import httpx
 import pytest
 from PIL import Image
 
-from service.api.app import create_app
-from service.api.context import AppContext
+from service.http.app import create_app
+from service.pipeline.context import AppContext
 from service.engine.mock import MockEngine
 from service.engine.protocol import EngineRequest, EngineResult
-from service.settings import Settings
+from service.config import Settings
 from tests.fixtures.api_inprocess import make_client
 from tests.fixtures.pdfs import text_pdf
 

@@ -24,12 +24,12 @@ import httpx
 import pytest
 from PIL import Image
 
-from service.api.app import create_app
-from service.api.context import AppContext
+from service.http.app import create_app
+from service.pipeline.context import AppContext
 from service.engine.mock import MockEngine
 from service.jobs import webhook as webhook_module
-from service.metrics import IngressMetrics, MetricSpec
-from service.settings import Settings
+from service.observability.metrics import IngressMetrics, MetricSpec
+from service.config import Settings
 
 WAIT_S = 60.0
 SECRET = "s3cret-webhook-key"

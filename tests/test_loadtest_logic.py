@@ -257,7 +257,7 @@ def test_the_service_runs_with_its_defaults_but_for_what_random_weights_need(tmp
                                       None)
     assert tiny["engine_num_gpus"] == 0 and tiny["kv_cache_memory_gb"] == 1.0 and "load_format" not in tiny
     assert tiny["vllm_extra_args"] == {"max_num_batched_tokens": 4096}
-    from service.settings import Settings
+    from service.config import Settings
 
     Settings(**settings)  # every key is a real setting
 

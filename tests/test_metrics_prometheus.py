@@ -99,7 +99,7 @@ def small_page_b64() -> str:
 
 @pytest.fixture(scope="module")
 def stack(serve_app, prometheus_server, redis_server_module, tmp_path_factory) -> Stack:
-    from service.admission.keys import add_key
+    from service.cli.keys import add_key
 
     keys_file = tmp_path_factory.mktemp("metrics-keys") / "keys.yaml"
     keys = {"globex": add_key(keys_file, tenant="globex")[0],

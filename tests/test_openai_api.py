@@ -117,10 +117,10 @@ class _UserKey:
 async def user_client():
     import httpx
 
-    from service.api.app import create_app
-    from service.api.context import AppContext
+    from service.http.app import create_app
+    from service.pipeline.context import AppContext
     from service.engine.mock import MockEngine
-    from service.settings import Settings
+    from service.config import Settings
 
     ctx = AppContext(settings=Settings(engine="mock", rate_limit_enabled=False),
                      engine=MockEngine(adapters=["tuned", "other"]), authenticator=_UserKey())

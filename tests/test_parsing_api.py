@@ -324,7 +324,7 @@ class SelfGuardingEngine(MockEngine):
 
     async def stream(self, request):
         from service.engine.protocol import EngineDelta, EngineResult
-        from service.parsing.repetition import RepetitionGuard
+        from service.engine.repetition import RepetitionGuard
 
         guard = RepetitionGuard.from_settings(self.settings)
         async for delta in super().stream(request):
@@ -339,7 +339,7 @@ class SelfGuardingEngine(MockEngine):
 
 
 async def test_stream_prefers_the_engines_own_repetition_cut(page_b64):
-    from service.settings import Settings
+    from service.config import Settings
 
     settings = Settings(repetition_min_chars=200, max_output_tokens=4096)
     engine = SelfGuardingEngine(settings, responder=looping_responder)

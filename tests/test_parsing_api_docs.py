@@ -7,12 +7,12 @@ import json
 import re
 from pathlib import Path
 
-from service.api.app import create_app
-from service.api.context import AppContext
-from service.api.protocol import OCRRequest
+from service.http.app import create_app
+from service.pipeline.context import AppContext
+from service.schema import OCRRequest
 from service.engine.mock import MockEngine
 from service.errors import ERROR_CODES
-from service.settings import Settings
+from service.config import Settings
 from service.tasks import TASKS
 from tests.fixtures.ocr_schema import response_validator
 

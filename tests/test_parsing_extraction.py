@@ -12,7 +12,7 @@ from service.admission.schemas import check_schema
 from service.engine.protocol import TokenLogprob
 from service.errors import OCRError
 from service.parsing.extraction import check_named_properties, coerce, extract_fields, parse_json_lenient
-from service.settings import Settings
+from service.config import Settings
 
 INVOICE_SCHEMA = {
     "type": "object",

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from service.engine.protocol import EngineResult, TokenLogprob
-from service.parsing.repetition import RepetitionGuard, find_tail_loop, guard_result, keep_tokens
-from service.settings import Settings
+from service.engine.repetition import RepetitionGuard, find_tail_loop, guard_result, keep_tokens
+from service.config import Settings
 
 
 def token_stream(text: str, rng: random.Random) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 from service.admission import pdf
 from service.engine.mock import MockEngine
 from service.errors import OCRError
-from service.settings import Settings
+from service.config import Settings
 from tests.fixtures.api_inprocess import make_client
 from tests.fixtures.documents import normalise_text
 from tests.fixtures.pdfs import (build_pdf, encrypted_pdf, flate_bomb, huge_box_pdf, nested_flate_bomb, page_texts,

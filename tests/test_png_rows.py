@@ -3,7 +3,7 @@ pixels: the ingress (`decode_image`) and the engine replica (`decode_png_pixels`
 
 Pillow decodes such a file without an error when its zlib stream ends cleanly after a whole row: the rows it never
 wrote stay black. The service fills the image memory with an unlikely colour first and counts the PNG's rows only
-when that colour is left in the last two rows (service.admission.images.load_png_whole). The hostile-input suite
+when that colour is left in the last two rows (service.imaging.load_png_whole). The hostile-input suite
 runs the same files through the API, the embedded engine and Serve (`corrupt_pixels`)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from service.admission import images
-from service.admission.images import decode_image, decode_png_pixels, png_rows_complete
+from service.imaging import decode_image, decode_png_pixels, png_rows_complete
 from service.errors import OCRError
 from tests.fixtures.hostile import ADAM7, bare_png
 

@@ -43,7 +43,7 @@ def document_page(size: tuple[int, int]) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def kit(tmp_path_factory):
-    from service.modelkit import write_kit
+    from service.cli.modelkit import write_kit
 
     out = tmp_path_factory.mktemp("presize-kit")
     write_kit(out, tiny=False, weights=False)

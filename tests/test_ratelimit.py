@@ -18,7 +18,7 @@ from service.admission.ratelimit import (
     make_limiter,
 )
 from service.errors import OCRError
-from service.settings import Settings
+from service.config import Settings
 
 RECOVERY_DEADLINE_S = 5.0  # the documented bound for getting back on Redis
 

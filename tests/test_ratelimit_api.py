@@ -13,10 +13,10 @@ import httpx
 import pytest
 from PIL import Image
 
-from service.admission.keys import add_key
-from service.api.app import create_app
+from service.cli.keys import add_key
+from service.http.app import create_app
 from service.engine.mock import MockEngine
-from service.settings import Settings
+from service.config import Settings
 
 RECOVERY_DEADLINE_S = 5.0
 

@@ -14,7 +14,7 @@ import pytest
 from service.errors import OCRError
 from service.serve.app import (COLOCATED_DEPLOYMENT, COLOCATED_HTTP_HEADROOM, COLOCATED_UNBOUNDED_QUEUE,
                                ENGINE_DEPLOYMENT, EngineGate, INGRESS_DEPLOYMENT, build_app)
-from service.settings import Settings
+from service.config import Settings
 
 
 def built_deployments(settings: Settings) -> dict:

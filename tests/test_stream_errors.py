@@ -1,6 +1,6 @@
 """A streamed request (`stream: true`, on /v1/ocr and the OpenAI endpoints) that fails before any output gets the
 status and error body it would get without `stream`; only a failure after output arrived is an `error` event inside
-the 200 (service.api.ocr.first_event_then_rest)."""
+the 200 (service.http.routes.ocr.first_event_then_rest)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import httpx
 import pytest
 from PIL import Image
 
-from service.api.app import create_app
-from service.api.context import AppContext
+from service.http.app import create_app
+from service.pipeline.context import AppContext
 from service.engine.mock import MockEngine
 from service.errors import OCRError
-from service.settings import Settings
+from service.config import Settings
 
 
 def make_client(engine, **settings) -> httpx.AsyncClient:

@@ -15,7 +15,7 @@ import math
 import httpx
 import pytest
 
-from service.modelkit import IMAGE_TOKEN
+from service.cli.modelkit import IMAGE_TOKEN
 from tests.fixtures.documents import render_document
 from tests.fixtures.ocr_schema import parse_sse, response_validator
 from tests.test_parsing_api import EXPECTED_PROMPTS_15

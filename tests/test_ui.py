@@ -124,7 +124,7 @@ def test_ui_pdf_job_shows_pages_as_they_arrive(embedded_url, browser_page, tmp_p
 
 
 def test_ocr_serve_ui_prints_the_url(capsys):
-    from service.cli import main
+    from service.cli.main import main
 
     assert main(["ui", "--url", "http://127.0.0.1:9999/"]) == 0
     assert "http://127.0.0.1:9999/ui" in capsys.readouterr().out

@@ -31,8 +31,8 @@ async def test_a_burst_right_after_start_builds_no_processor(tiny_model_dir, mon
     from vllm.transformers_utils import processor as vllm_processor
 
     from service.engine.protocol import EngineRequest
-    from service.engine.vllm_engine import VLLMEngine
-    from service.settings import Settings
+    from service.engine.vllm.engine import VLLMEngine
+    from service.config import Settings
 
     builds: list[str] = []
     original = ProcessorMixin.from_pretrained.__func__
@@ -196,9 +196,9 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
     import logging
 
     from service.engine.protocol import EngineRequest
-    from service.engine.vllm_engine import VLLMEngine
-    from service.modelkit import LORA_MODULES, write_lora_adapter
-    from service.settings import Settings
+    from service.engine.vllm.engine import VLLMEngine
+    from service.cli.modelkit import LORA_MODULES, write_lora_adapter
+    from service.config import Settings
 
     engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024,
                                  max_num_seqs=4, kv_cache_memory_gb=0.25, enable_lora=True, max_loras=1,
@@ -238,11 +238,11 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
 
         # an engine whose layers differ from the assumed ones (a vLLM that stopped packing gate/up): a warning that
         # names them, and the warm-up still runs on the assumed shapes
-        monkeypatch.setattr("service.engine.lora_kernels.PACKED_LAYERS", (
+        monkeypatch.setattr("service.engine.vllm.lora.PACKED_LAYERS", (
             ("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)), ("gate_proj", ("gate_proj",)),
             ("up_proj", ("up_proj",)), ("down_proj", ("down_proj",))))
         engine.lora_warmup_ms = None  # set again only if the warm-up runs to its end
-        with caplog.at_level(logging.WARNING, logger="service.engine.vllm_engine"):
+        with caplog.at_level(logging.WARNING, logger="service.engine.vllm.engine"):
             await engine._warm_lora_kernels()
         assert engine.lora_layer_differences == [
             "gate_proj: no such LoRA layer in the engine (expected [1] slices)",
@@ -253,9 +253,9 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
         monkeypatch.undo()
         caplog.clear()
 
-        monkeypatch.setattr("service.modelkit.write_lora_adapter", broken)
+        monkeypatch.setattr("service.cli.modelkit.write_lora_adapter", broken)
         engine.lora_warmup_ms = None
-        with caplog.at_level(logging.WARNING, logger="service.engine.vllm_engine"):
+        with caplog.at_level(logging.WARNING, logger="service.engine.vllm.engine"):
             await engine._warm_lora_kernels()
         assert engine.lora_warmup_ms is None and "LoRA kernel warm-up failed (OSError)" in caplog.text
         again = await engine.generate(page("after-failed-warmup"))
@@ -270,7 +270,7 @@ def test_engine_core_timings_come_from_vllms_request_stats_on_one_clock():
     a stamp later than the arrival: nothing, rather than a wrong number."""
     from types import SimpleNamespace
 
-    from service.engine.vllm_engine import engine_core_timings
+    from service.engine.vllm.engine import engine_core_timings
 
     def output(first, last):
         return SimpleNamespace(metrics=SimpleNamespace(first_token_ts=first, last_token_ts=last))

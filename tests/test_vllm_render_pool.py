@@ -45,9 +45,9 @@ async def test_pages_render_in_worker_processes(tiny_model_dir):
     import torch
 
     from service.engine.protocol import EngineRequest
-    from service.engine.vllm_engine import VLLMEngine
+    from service.engine.vllm.engine import VLLMEngine
     from service.errors import OCRError
-    from service.settings import Settings
+    from service.config import Settings
     from tests.fixtures.hostile import bare_png
 
     engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024,
@@ -148,7 +148,7 @@ async def test_pages_render_in_worker_processes(tiny_model_dir):
         workers += pool.worker_pids
 
         # a worker that cannot build or warm its renderer fails the pool's start with the reason, not a hang
-        from service.engine.render_pool import RenderPool
+        from service.engine.vllm.render_pool import RenderPool
 
         broken = RenderPool(engine._llm.vllm_config, 1, warm_inputs={
             "prompt": prompt, "multi_modal_data": {"image": "not an image"}})
@@ -168,8 +168,8 @@ async def test_an_engine_whose_render_processes_fail_to_start_stops_itself(tiny_
     """A render process that cannot warm up (here: its warm-up page is not an image) fails the engine's start with
     the reason, and the half-started engine does not stay behind: its vLLM engine is shut down, no pool is kept."""
     from service.engine import vllm_engine
-    from service.engine.render_pool import RenderPool
-    from service.settings import Settings
+    from service.engine.vllm.render_pool import RenderPool
+    from service.config import Settings
 
     class BrokenWarmUp(RenderPool):
         def __init__(self, vllm_config, processes, warm_inputs):

@@ -2,7 +2,7 @@
 
 1. Alert rules and Grafana dashboards: deploy/grafana/ is canonical (the metrics work owns it); copies live in
    deploy/helm/ocr-service/files/grafana/ for `.Files` (PrometheusRule, dashboard ConfigMaps).
-2. `values.schema.json` → `properties.settings`: generated from service/settings.py, so `helm install` rejects a
+2. `values.schema.json` → `properties.settings`: generated from service/config.py, so `helm install` rejects a
    misspelled or mistyped setting before Serve ever sees it. Settings the chart sets itself are left out.
 
     python deploy/helm/sync_chart.py           # rewrite the copies and the schema
@@ -53,12 +53,12 @@ def _clean(node):
 
 def settings_schema() -> dict:
     sys.path.insert(0, str(REPO))
-    from service.settings import Settings
+    from service.config import Settings
 
     props = Settings.model_json_schema()["properties"]
     return {
         "type": "object",
-        "description": "Service settings (service/settings.py), passed as the Serve application's args.",
+        "description": "Service settings (service/config.py), passed as the Serve application's args.",
         "additionalProperties": False,
         "properties": {name: _clean(spec) for name, spec in props.items() if name not in CHART_MANAGED_SETTINGS},
     }

@@ -15,7 +15,7 @@ Keys live in a YAML/JSON file (mounted from a Kubernetes Secret) that holds only
 
 Callers send `Authorization: Bearer <key>` or `X-API-Key: <key>` (one key per request: repeated headers, or two
 different keys, are refused with 400 `ambiguous_credentials`). The file is re-read when it changes (Secret
-rotation swaps it atomically). `ocr-serve keys add|list|revoke` (service/admission/keys.py) manages it.
+rotation swaps it atomically). `ocr-serve keys add|list|revoke` (service/cli/keys.py) manages it.
 
 With no key file configured the service runs open: every caller is the `anonymous` tenant with the `admin` role.
 Keys are never logged, only their `id`.
@@ -233,7 +233,7 @@ def make_authenticator(settings):
     """The authenticator the settings ask for; without a key file the open (development) one, announced loudly."""
     if settings.api_keys_file is not None:
         return KeyFileAuthenticator(settings.api_keys_file, reload_interval_s=settings.api_keys_reload_interval_s)
-    from service.api.context import OpenAuthenticator
+    from service.pipeline.context import OpenAuthenticator
 
     announce_open_service()
     return OpenAuthenticator()

@@ -8,9 +8,9 @@ decoding set-up) ever happens.
 
 from __future__ import annotations
 
-from service.api.protocol import OCRRequest
+from service.schema import OCRRequest
 from service.errors import OCRError
-from service.settings import Settings
+from service.config import Settings
 
 
 def check_request_limits(req: OCRRequest, settings: Settings) -> None:

@@ -148,7 +148,7 @@ def page_pixel_budget(settings, engine_name: str, max_tokens: int | None = None)
     from service.admission.budget import FACTOR, PROMPT_OVERHEAD_TOKENS
 
     if engine_name == "embedded":
-        from service.api.ocr import EMBEDDED_MAX_SIDE
+        from service.http.routes.ocr import EMBEDDED_MAX_SIDE
 
         budget = EMBEDDED_MAX_SIDE * EMBEDDED_MAX_SIDE
     else:
@@ -437,7 +437,7 @@ def render_pages(data: bytes, settings, numbers: list[int], max_pixels: int) -> 
 
 def render_single_page(data: bytes, settings, max_pixels: int | None = None):
     """`POST /v1/ocr` with a PDF: the document must have exactly one page; returns a DecodedImage."""
-    from service.admission.images import DecodedImage
+    from service.imaging import DecodedImage
 
     budget = max_pixels or single_page_pixel_budget(settings)
     with PdfSession(data, settings, single_page=True) as session:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import re
 
-from service.api.protocol import OCRRequest
-from service.settings import Settings
+from service.schema import OCRRequest
+from service.config import Settings
 from service.tasks import HUNYUAN_15_PROMPTS, TASKS, hunyuan_task_for
 
 # <｜...｜>, <|...|>, and their halves; plus control characters

@@ -33,7 +33,7 @@ from referencing import Registry, Resource
 from referencing.exceptions import NoSuchResource, Unresolvable
 
 from service.errors import OCRError
-from service.settings import Settings
+from service.config import Settings
 
 MAX_SCHEMA_DEPTH = 32  # nesting of objects/arrays in a schema (real schemas are 2-4 deep)
 REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")

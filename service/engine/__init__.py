@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from service.engine.protocol import Engine
-from service.settings import Settings
+from service.config import Settings
 
 
 def make_engine(settings: Settings) -> Engine:
@@ -18,7 +18,7 @@ def make_engine(settings: Settings) -> Engine:
 
         return MockEngine(delay_s=settings.mock_delay_s, start_delay_s=settings.mock_start_delay_s)
     if settings.engine == "vllm":
-        from service.engine.vllm_engine import VLLMEngine
+        from service.engine.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_settings(settings)
     raise ValueError(f"unknown engine {settings.engine!r}")

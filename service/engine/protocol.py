@@ -56,10 +56,10 @@ class EngineRequest(BaseModel):
     def pil_image(self):
         """The page as an RGB PIL image. A PNG whose pixel stream does not decode raises OCRError `invalid_image`:
         the ingress checks a bare PNG's chunks and header but may leave its pixels to this decode
-        (service.admission.images), so every engine that takes PNG pages decodes them through here."""
+        (service.imaging), so every engine that takes PNG pages decodes them through here."""
         from PIL import Image
 
-        from service.admission.images import decode_png_pixels
+        from service.imaging import decode_png_pixels
 
         if self.image_rgb is not None:
             return Image.frombytes("RGB", (self.width, self.height), self.image_rgb)

@@ -22,7 +22,7 @@ import httpx
 
 from service.eval import EvalError
 from service.eval.manifest import ManifestDocument
-from service.jobs.client import ProgressBar
+from service.cli.client import ProgressBar
 
 # codes after which every other document would fail the same way: stop the run instead
 FATAL_CODES = frozenset({"unauthorized", "forbidden", "unknown_task", "unsupported_task", "unknown_adapter",

@@ -35,12 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.admission.auth import Principal
-from service.admission.images import RELEASE_AFTER_PIXELS, DecodedImage, decode_image, release_freed_memory
+from service.imaging import RELEASE_AFTER_PIXELS, DecodedImage, decode_image, release_freed_memory
 from service.admission.pdf import PdfSession
 from service.admission.workpool import FairSlots
-from service.api.ocr import (Charge, PreparedPage, build_response, parse_output, prepare_decoded_page,
+from service.http.routes.ocr import (Charge, PreparedPage, build_response, parse_output, prepare_decoded_page,
                              rate_limit_cost, record_page)
-from service.api.protocol import OCRRequest
+from service.schema import OCRRequest
 from service.errors import OCRError
 from service.jobs.model import HEARTBEAT_S, TERMINAL, ErrorInfo, JobRecord, JobView, PageResult
 from service.jobs.store import JobStore

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from service.admission.schemas import DEFAULT_VALIDATION_STEPS, SchemaValidationStopped, output_errors
-from service.api.protocol import FieldValue
+from service.schema import FieldValue
 from service.engine.protocol import TokenLogprob
 from service.errors import OCRError
 from service.parsing.confidence import span_confidence, token_spans

@@ -11,9 +11,9 @@ import logging
 from dataclasses import dataclass, field
 
 from service.admission.schemas import DEFAULT_VALIDATION_STEPS
-from service.api.protocol import ImageInfo, Line, OCRResponse, RawOutput, RawToken, Usage
+from service.schema import ImageInfo, Line, OCRResponse, RawOutput, RawToken, Usage
 from service.engine.protocol import EngineLine, EngineResult
-from service.parsing.repetition import REPETITION_WARNING
+from service.engine.repetition import REPETITION_WARNING
 
 log = logging.getLogger(__name__)
 

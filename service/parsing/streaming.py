@@ -7,7 +7,7 @@ Events, in order (each `event: NAME` + `data: JSON`):
 * `result` OCRResponse                        — the final, authoritative result (same as the non-streaming response);
 * `error`  {"error": {"code", "message"}}      — instead of `result` when the request failed midway.
 
-The repetition guard (service.parsing.repetition) watches the deltas. When the tail loops, no more events are sent;
+The repetition guard (service.engine.repetition) watches the deltas. When the tail loops, no more events are sent;
 an engine that guards itself (vLLM) ends its stream with its own cut result right after the same delta, which is
 used as is. An engine that does not is given `GRACE_DELTAS` more deltas, then the ingress stops reading (closing the
 stream aborts the generation) and builds the result itself: output up to the loop, `finish_reason: "repetition"`.
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import time
 
-from service.api.protocol import Line
+from service.schema import Line
 from service.engine.protocol import EngineDelta, EngineResult, TokenLogprob
 from service.parsing.confidence import token_spans
-from service.parsing.repetition import RepetitionGuard, keep_tokens
+from service.engine.repetition import RepetitionGuard, keep_tokens
 from service.parsing.result import PageGeometry
 from service.parsing.spotting import IncrementalSpotting
 from service.parsing.vlm import lines_from_items

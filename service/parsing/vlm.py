@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from service.admission.schemas import DEFAULT_VALIDATION_STEPS
-from service.api.protocol import Line
+from service.schema import Line
 from service.engine.protocol import EngineResult, TokenLogprob
 from service.parsing.confidence import document_confidence, span_confidence, token_spans
 from service.parsing.extraction import extract_fields

@@ -16,16 +16,16 @@ from ray import serve
 from ray.serve.config import AutoscalingPolicy
 from ray.serve.handle import DeploymentHandle
 
-from service.api.app import create_app, cut_requests
-from service.api.context import AppContext
+from service.http.app import create_app, cut_requests
+from service.pipeline.context import AppContext
 from service.engine import make_engine
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
 from service.errors import OCRError
-from service.metrics import EngineMetrics, IngressMetrics
+from service.observability.metrics import EngineMetrics, IngressMetrics
 from service.serve.autoscaling import POLICY_IMPORT_PATH, LatencyWindow
 from service.serve.edge import bind_replica_grpc_to_node_ip
 from service.serve.replica_logs import route_to_replica_log
-from service.settings import Settings
+from service.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class HttpReplica:
         """Start draining this replica (readiness fails, new work gets 503 `shutting_down`); called through a
         handle by `ocr-serve serve` on SIGTERM, and repeatedly to watch the in-flight count reach 0. With `cut`
         (the drain's deadline) every request still open is ended: 503 `shutting_down` with Retry-After, or a last
-        error event on a stream (service/api/app.py DrainGate)."""
+        error event on a stream (service/http/app.py DrainGate)."""
         self.ctx.draining = True
         ended = cut_requests(self.ctx) if cut else 0
         return {"replica": serve.get_replica_context().replica_id.unique_id, "in_flight": self.ctx.in_flight,

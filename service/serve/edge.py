@@ -32,7 +32,7 @@ from typing import Annotated, Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import ERROR_CODES, OCRError
-from service.settings import Settings
+from service.config import Settings
 
 log = logging.getLogger(__name__)
 

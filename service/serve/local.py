@@ -10,7 +10,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from service.settings import Settings
+from service.config import Settings
 
 log = logging.getLogger(__name__)
 

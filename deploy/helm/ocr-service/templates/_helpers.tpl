@@ -80,7 +80,7 @@ app.kubernetes.io/part-of: ocr-service
 {{- end -}}
 
 {{/*
-The Serve application's `args`: settings field values (service/settings.py; the builder does Settings(**args)).
+The Serve application's `args`: settings field values (service/config.py; the builder does Settings(**args)).
 User settings first, then the values the chart owns (replicas, paths, mounts), which win.
 */}}
 {{- define "ocr.serveArgs" -}}
@@ -216,7 +216,7 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
 {{- end }}
 {{- end -}}
 
-{{/* Ray exports `ray_ocr_*` / `ray_vllm_*`; these rename them back (= service.metrics.METRIC_RELABEL_CONFIGS). */}}
+{{/* Ray exports `ray_ocr_*` / `ray_vllm_*`; these rename them back (= service.observability.metrics.METRIC_RELABEL_CONFIGS). */}}
 {{- define "ocr.metricRelabelings" -}}
 - sourceLabels: [__name__]
   regex: ray_(ocr_.+)

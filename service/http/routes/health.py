@@ -13,7 +13,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from service.api.context import AppContext
+from service.pipeline.context import AppContext
 from service.errors import openapi_error_responses
 
 READY_TIMEOUT_S = 30.0

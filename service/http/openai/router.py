@@ -8,7 +8,7 @@ for both; `GET /v1/models` lives in health.py). The official `openai` Python cli
 
 Same order as `/v1/ocr`: authenticate → validate → one token → image header and estimated cost → decode →
 budget/resize → real cost → engine → respond. The body is parsed with its work bounded first and its types checked
-strictly (service/api/json_body.py); the user text is refused above `max_text_field_chars` (400 `prompt_too_long`,
+strictly (service/http/json_body.py); the user text is refused above `max_text_field_chars` (400 `prompt_too_long`,
 before any other work on it) and sanitised (no `<｜…｜>` placeholders) on the admission pool, with the image's
 header; the engine builds the real prompt with the model's chat template. Decoding is greedy (HunyuanOCR's recipe):
 `temperature`/`top_p` are accepted and ignored. vLLM's benchmark extensions `ignore_eos` and `min_tokens` make a
@@ -29,13 +29,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.admission.auth import Principal
-from service.admission.images import decode_base64_image
+from service.imaging import decode_base64_image
 from service.admission.prompts import sanitize_user_text
 from service.admission.schemas import check_schema
-from service.api.context import AppContext
-from service.api.json_body import read_json_model
-from service.api.ocr import admit_upload, first_event_then_rest
-from service.api.protocol import OCRRequest
+from service.pipeline.context import AppContext
+from service.http.json_body import read_json_model
+from service.http.routes.ocr import admit_upload, first_event_then_rest
+from service.schema import OCRRequest
 from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
 from service.errors import OCRError, openapi_error_responses
 from service.tasks import TASKS

@@ -3,7 +3,7 @@
 Request flow inside the engine: EngineRequest (the page as PNG or RGB pixels, already resized to the budget by the
 ingress; user text already sanitised) → numpy page (engine_image) → chat-template prompt with the image token →
 SamplingParams (greedy, sampled-token logprobs, optional min_tokens/ignore_eos/guided JSON) → vLLM's renderer
-(tokenizer + HF image processor, in its thread pool, or in render processes: service.engine.render_pool) →
+(tokenizer + HF image processor, in its thread pool, or in render processes: service.engine.vllm.render_pool) →
 AsyncLLM.generate (DELTA outputs) → RepetitionGuard on the text stream (aborts a looping generation) → EngineResult
 with the raw text, per-token logprobs and token counts.
 
@@ -33,10 +33,10 @@ from service.admission.budget import image_tokens_for
 from service.admission.prompts import sanitize_user_text
 from service.engine.protocol import (EngineDelta, EngineInfo, EngineRequest, EngineResult, ImageProcessorInfo,
                                      TokenLogprob)
-from service.engine.render_pool import RenderError, RenderPool
+from service.engine.vllm.render_pool import RenderError, RenderPool
 from service.errors import OCRError
-from service.metrics import vllm_stat_loggers
-from service.settings import Settings
+from service.observability.metrics import vllm_stat_loggers
+from service.config import Settings
 from service.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class VLLMEngine:
         # seconds from start(): `vllm` when vLLM's engine was up, `render_processes` when the render processes were,
         # `ready` at the end; `render_processes_launched` when those were spawned (before vLLM's engine began)
         self.startup_s: dict[str, float] = {}
-        self.lora_warmup_prompt_lengths: list[int] = []  # the warm-up's prompt lengths (service.engine.lora_kernels)
+        self.lora_warmup_prompt_lengths: list[int] = []  # the warm-up's prompt lengths (service.engine.vllm.lora)
         # where the LoRA layers vLLM built differ from the warm-up's kernel shapes; None until it checked
         self.lora_layer_differences: list[str] | None = None
         self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # loaded in vLLM, least recent first
@@ -189,7 +189,7 @@ class VLLMEngine:
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self._special_ids = set(self._tokenizer.added_tokens_decoder)
         self._wrap_image_token = _needs_wrapped_image_token()
-        # vllm:* metrics through Ray's metrics agent when metrics are on (service.metrics.vllm_stat_loggers)
+        # vllm:* metrics through Ray's metrics agent when metrics are on (service.observability.metrics.vllm_stat_loggers)
         # usage context of an API server: vLLM's defaults (e.g. max_num_batched_tokens 8192 on H100/H200-class
         # GPUs, 2048 elsewhere) are then the ones `vllm serve` gets, not the 2048 of a bare engine
         from vllm.usage.usage_lib import UsageContext
@@ -197,7 +197,7 @@ class VLLMEngine:
         engine_args = self.engine_args()
         if self.settings.enable_lora and not engine_args.worker_extension_cls:
             # the LoRA warm-up asks the worker which LoRA layers vLLM built (_warm_lora_kernels)
-            from service.engine.vllm_worker import EXTENSION
+            from service.engine.vllm.worker_ext import EXTENSION
 
             engine_args.worker_extension_cls = EXTENSION
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
@@ -247,7 +247,7 @@ class VLLMEngine:
         token count, and its own warm-up leaves most of them out: on the H200 a fresh engine's first adapter request
         (a 2,231-token prompt) took 3.9 s against 0.6 s repeated, with 6 kernels compiled (docs/BENCHMARKS.md,
         twenty-third session). Every token count residue mod 16 in every range of token counts with one config
-        choice and one way of running (CUDA graph or eager; service.engine.lora_kernels) covers them. With vLLM's
+        choice and one way of running (CUDA graph or eager; service.engine.vllm.lora) covers them. With vLLM's
         default configs that was 32 prompts in 2.5 s on the H200, and no request compiled a kernel after it; with
         tuned configs (`VLLM_TUNED_CONFIG_FOLDER`) 200 prompts in 27-29 s, where a warm-up of one range had let 7
         kernels compile during traffic (twenty-sixth session; the split where the graphs end came after, 33 and
@@ -259,9 +259,9 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
 
-        from service.engine.lora_kernels import (config_ranges, kernel_shapes, packed_layer_differences,
+        from service.engine.vllm.lora import (config_ranges, kernel_shapes, packed_layer_differences,
                                                  warmup_prompt_lengths)
-        from service.modelkit import LORA_MODULES, write_lora_adapter
+        from service.cli.modelkit import LORA_MODULES, write_lora_adapter
 
         llm = self._require_llm()
         started = time.perf_counter()
@@ -562,7 +562,7 @@ class VLLMEngine:
         self._last_success = time.monotonic()
         text = "".join(text_parts)
         if finish_reason == "repetition":
-            from service.parsing.repetition import keep_tokens
+            from service.engine.repetition import keep_tokens
 
             text = guard.kept_text
             tokens = keep_tokens(tokens, guard.kept_chars)
@@ -611,9 +611,9 @@ def _token_logprobs(completion, special_ids: set[int]) -> list[TokenLogprob]:
 
 
 def _make_guard(settings: Settings):
-    """The RepetitionGuard of service/parsing/repetition.py (None when disabled by min_chars = 0)."""
+    """The RepetitionGuard of service/engine/repetition.py (None when disabled by min_chars = 0)."""
     if settings.repetition_min_chars <= 0:
         return None
-    from service.parsing.repetition import RepetitionGuard
+    from service.engine.repetition import RepetitionGuard
 
     return RepetitionGuard.from_settings(settings)

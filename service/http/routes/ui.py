@@ -1,7 +1,7 @@
 """The operator page at `/ui`: upload an image or PDF, pick a task, see the page with boxes and confidences drawn,
 the text / markdown / JSON result and timings; multi-page jobs fill in page by page from the events stream.
 
-A static page (HTML + vanilla JS + CSS in service/ui/static, no build step, nothing fetched from a CDN) served by the
+A static page (HTML + vanilla JS + CSS in service/http/static, no build step, nothing fetched from a CDN) served by the
 ingress itself, so it works wherever the API does; it calls the public API (`/v1/ocr`, `/v1/jobs`) with the API key
 typed into the page. `ocr-serve ui` prints (and optionally opens) the URL.
 """
@@ -33,7 +33,7 @@ SECURITY_HEADERS = {
 
 
 def _asset(name: str) -> bytes:
-    return resources.files("service.ui").joinpath("static", name).read_bytes()
+    return resources.files("service.http").joinpath("static", name).read_bytes()
 
 
 def make_router(ctx) -> APIRouter:

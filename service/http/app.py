@@ -21,16 +21,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.context import AppContext
-from service.api.health import make_router as health_router
-from service.api.adapters import make_router as adapters_router
-from service.api.ocr import make_router as ocr_router
-from service.api.openai import make_router as openai_router
-from service.api.jobs import JOB_MULTIPART_OVERHEAD_BYTES
-from service.api.jobs import make_router as jobs_router
+from service.pipeline.context import AppContext
+from service.http.routes.health import make_router as health_router
+from service.http.routes.adapters import make_router as adapters_router
+from service.http.routes.ocr import make_router as ocr_router
+from service.http.openai.router import make_router as openai_router
+from service.http.routes.jobs import JOB_MULTIPART_OVERHEAD_BYTES
+from service.http.routes.jobs import make_router as jobs_router
 from service.errors import ERROR_CODES, OCRError
-from service.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware
-from service.ui import make_router as ui_router
+from service.observability.metrics import CLIENT_CLOSED_REQUEST, RequestMetricsMiddleware
+from service.http.routes.ui import make_router as ui_router
 
 log = logging.getLogger(__name__)
 

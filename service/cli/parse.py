@@ -5,7 +5,7 @@
     ocr-serve parse --task extract --schema schema.json --width 800 --height 500 < raw.txt
     ocr-serve parse --task spotting --width 1240 --height 1754 --raw-json < response.json   # `raw` of include_raw
 
-The code path is the service's: repetition trim → task parser → response builder (service.api.ocr does the same
+The code path is the service's: repetition trim → task parser → response builder (service.http.routes.ocr does the same
 after the engine call). `--width/--height` are the UPLOADED image's size; `--scale` is engine pixels per uploaded
 pixel (the response's `image.scale`; it only fills `image.engine_*`, since HunyuanOCR boxes are relative to the image).
 With `--raw-json`, stdin is the `raw` object of a response made with `include_raw: true` (or the whole response),
@@ -23,7 +23,7 @@ from service.engine.protocol import EngineResult, TokenLogprob
 from service.errors import OCRError
 from service.admission.schemas import check_schema
 from service.parsing.extraction import check_named_properties
-from service.parsing.repetition import guard_result
+from service.engine.repetition import guard_result
 from service.parsing.result import PageGeometry, build_response, parse_engine_output
 from service.tasks import TASKS
 
@@ -51,7 +51,7 @@ def _read_result(stdin_text: str, raw_json: bool, finish_reason: str) -> EngineR
 
 
 def cmd_parse(args: argparse.Namespace) -> int:
-    from service.settings import load_settings
+    from service.config import load_settings
 
     if args.task not in TASKS:
         return _fail(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.api.context import AppContext
+from service.pipeline.context import AppContext
 from service.errors import OCRError, openapi_error_responses
 
 

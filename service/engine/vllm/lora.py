@@ -46,7 +46,7 @@ class KernelShape:
 
 def kernel_shapes(model_dir: Path, rank: int) -> list[KernelShape]:
     """The distinct shrink and expand kernels of the model's LoRA layers, with how often each runs per step."""
-    from service.modelkit import text_linear_shapes
+    from service.cli.modelkit import text_linear_shapes
 
     linear, num_layers = text_linear_shapes(model_dir)
     by_name = {name.split(".")[1]: shape for name, shape in linear.items()}

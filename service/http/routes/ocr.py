@@ -21,20 +21,20 @@ from pydantic import ValidationError
 
 from service.admission.auth import Principal
 from service.admission.budget import ImagePlan, plan_for_embedded, plan_for_vlm, prompt_token_bound
-from service.admission.images import (RELEASE_AFTER_PIXELS, DecodedImage, decode_base64_image, decode_image,
+from service.imaging import (RELEASE_AFTER_PIXELS, DecodedImage, decode_base64_image, decode_image,
                                      encode_png, probe_image, release_freed_memory, resize_to, sniff_format)
 from service.admission.limits import check_request_limits
 from service.admission.presize import presize, processor_size
 from service.admission.prompts import build_prompt, guided_json_for
 from service.admission.schemas import check_schema
-from service.api.context import AppContext
-from service.api.json_body import check_json_items, read_json_model, validation_error
-from service.api.protocol import OCRRequest, OCRResponse
+from service.pipeline.context import AppContext
+from service.http.json_body import check_json_items, read_json_model, validation_error
+from service.schema import OCRRequest, OCRResponse
 from service.engine.protocol import EngineInfo, EngineRequest, EngineResult
 from service.errors import OCRError, openapi_error_responses
-from service.metrics import STATE_TASK, STATE_TENANT
+from service.observability.metrics import STATE_TASK, STATE_TENANT
 from service.parsing.extraction import check_named_properties, schema_for_fields
-from service.parsing.repetition import guard_result
+from service.engine.repetition import guard_result
 from service.parsing.result import PageGeometry, ParsedOutput, build_response, parse_engine_output
 from service.parsing.streaming import OutputStream
 from service.tasks import TASKS

@@ -5,14 +5,14 @@ plain lists and dicts."""
 
 from __future__ import annotations
 
-EXTENSION = "service.engine.vllm_worker.OCRWorkerExtension"
+EXTENSION = "service.engine.vllm.worker_ext.OCRWorkerExtension"
 
 
 class OCRWorkerExtension:
     def ocr_lora_layers(self) -> dict[str, dict]:
         """The LoRA layers vLLM built, by the last part of their module name (`qkv_proj`). `linear`: the linear
         layers with the numbers of slices each kind has (3 where q, k and v are packed into one layer, 1 for a layer
-        of its own), which the LoRA warm-up's kernel shapes assume (service.engine.lora_kernels.PACKED_LAYERS);
+        of its own), which the LoRA warm-up's kernel shapes assume (service.engine.vllm.lora.PACKED_LAYERS);
         `other`: the rest (an embedding's LoRA layer, say) with their class names."""
         manager = self.model_runner.lora_manager._adapter_manager  # type: ignore[attr-defined]
         linear: dict[str, set[int]] = {}

@@ -17,14 +17,14 @@ from typing import Callable
 
 from pydantic import ValidationError
 
-log = logging.getLogger("service.cli")
+log = logging.getLogger("service.cli.main")
 # printed once every deployment has all its starting replicas (serve.run waits for the app to be RUNNING); /readyz
 # answers 200 earlier, with the first engine replica (loadtest.common.start_service waits for this line)
 READY_MARKER = "engine ready at"
 
 
 def _settings_or_exit(**overrides):
-    from service.settings import load_settings
+    from service.config import load_settings
 
     try:
         return load_settings(**overrides)
@@ -87,7 +87,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
     runs it before `ray stop`): new work gets 503, in-flight requests get up to the timeout, then whatever is left
     gets 503 `shutting_down`. Ray and Serve keep running."""
     from service.serve import local
-    from service.settings import Settings
+    from service.config import Settings
 
     timeout_s = args.timeout_s if args.timeout_s is not None else \
         Settings.model_fields["graceful_shutdown_timeout_s"].default
@@ -129,7 +129,7 @@ def cmd_ocr(args: argparse.Namespace) -> int:
 
 
 def _ocr_job(args: argparse.Namespace, path: Path) -> int:
-    from service.jobs.client import run_job
+    from service.cli.client import run_job
 
     form = {"task": args.task}
     for name in ("fields", "target_language", "adapter", "pages"):
@@ -190,9 +190,9 @@ COMMANDS: list[Callable] = [_add_serve, _add_drain, _add_ocr, _add_config]
 def _optional_commands() -> list[Callable]:
     """Subcommands living next to the features they drive (imported lazily so a missing extra never breaks the CLI)."""
     found = []
-    for module, attr in [("service.modelkit", "add_cli"), ("service.parsing.cli", "add_cli"),
-                         ("service.admission.keys", "add_cli"), ("service.ui", "add_cli"),
-                         ("service.metrics", "add_cli"), ("service.eval.cli", "add_cli")]:
+    for module, attr in [("service.cli.modelkit", "add_cli"), ("service.cli.parse", "add_cli"),
+                         ("service.cli.keys", "add_cli"), ("service.http.routes.ui", "add_cli"),
+                         ("service.observability.metrics", "add_cli"), ("service.eval.cli", "add_cli")]:
         try:
             mod = __import__(module, fromlist=[attr])
         except ImportError:

@@ -12,8 +12,8 @@ from service.admission.ratelimit import LocalTokenBucket, Limiter
 from service.admission.redis_state import RedisStateWatch
 from service.admission.workpool import WorkPool
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
-from service.metrics import IngressMetrics
-from service.settings import Settings
+from service.observability.metrics import IngressMetrics
+from service.config import Settings
 
 log = logging.getLogger(__name__)
 

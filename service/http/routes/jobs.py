@@ -30,19 +30,19 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from service.admission.auth import Principal
-from service.admission.images import probe_image, sniff_format
+from service.imaging import probe_image, sniff_format
 from service.admission.pdf import PdfSession, check_page_box, page_pixel_budget, parse_page_range, rendered_size
 from service.admission.prompts import build_prompt
-from service.api.context import AppContext
-from service.api.ocr import Charge, plan_page, rate_limit_cost, request_from_form_fields, validate_task
-from service.api.protocol import OCRRequest
+from service.pipeline.context import AppContext
+from service.http.routes.ocr import Charge, plan_page, rate_limit_cost, request_from_form_fields, validate_task
+from service.schema import OCRRequest
 from service.engine.protocol import EngineInfo
 from service.errors import OCRError, openapi_error_responses
 from service.jobs.model import TERMINAL, JobAccepted, JobRecord, JobView
 from service.jobs.runner import JobRunner, JobSource
 from service.jobs.store import make_store
 from service.jobs.webhook import validate_webhook
-from service.metrics import STATE_TASK, STATE_TENANT
+from service.observability.metrics import STATE_TASK, STATE_TENANT
 
 EVENTS_KEEPALIVE_S = 15.0
 JOB_MULTIPART_OVERHEAD_BYTES = 1024 * 1024  # form fields and part headers on top of the files themselves
