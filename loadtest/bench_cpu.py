@@ -47,7 +47,7 @@ from loadtest.paired import interval_text, ratio_summary
 PARTS = ("embedded", "overhead")
 GOAL_RATIO = 1.1  # issue 50: the embedded engine per request within 1.1× of rapidocr called directly
 # every client is the one (anonymous) tenant: neither its bucket nor its concurrency cap is what is measured
-SERVICE = {"rate_limit_enabled": False, "max_concurrent_requests_per_tenant": 0, "graceful_shutdown_timeout_s": 5,
+SERVICE = {"rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
            "log_level": "WARNING"}
 
 

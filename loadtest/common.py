@@ -1,7 +1,7 @@
 """What the benchmarks share: child processes that always get stopped, the two servers they compare, and what a
 process is and how much CPU it used.
 
-- `start_service(...)`: the service as a user runs it (`python -m service.cli.main serve`), settings as `OCR_*` variables;
+- `start_service(...)`: the service as a user runs it (`python -m service.cli serve`), settings as `OCR_*` variables;
 - `start_vllm_server(...)`: raw `vllm serve` (vLLM's OpenAI server) with the given engine arguments;
 - `service_prompt(...)`: the text the service sends the model for a task, so a raw-vLLM client sends the same.
 
@@ -318,10 +318,10 @@ def parse_variants(texts: list[str]) -> dict[str, dict[str, str]]:
 def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | None = None,
                   ready_timeout_s: float = 900.0, extra_env: Mapping[str, str] | None = None,
                   ) -> tuple[ManagedProcess, str]:
-    """Start `python -m service.cli.main serve` with these settings (every other `OCR_*` variable of this process left
+    """Start `python -m service.cli serve` with these settings (every other `OCR_*` variable of this process left
     out) on a free loopback port; return (process, base URL) once /readyz answers and the CLI has printed its ready
     line (every engine replica up). Stopping the process (SIGTERM) drains it and shuts its Ray cluster down."""
-    from service.cli.main import READY_MARKER
+    from service.cli.serve import READY_MARKER
 
     def start(port: int) -> tuple[ManagedProcess, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
@@ -329,7 +329,7 @@ def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | No
         env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
         env.update(extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-        proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli.main", "serve"], log_path=log_path, env=env)
+        proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)
         started = time.monotonic()
         url = f"http://127.0.0.1:{port}"
         _wait_or_port_taken(proc, url + "/readyz", ready_timeout_s)

@@ -160,3 +160,19 @@ def hunyuan_task_for(task: Task, *, target_language: str | None = None, source_l
     if task.name == "spotting":
         return SPOTTING_TASK_TYPES[spotting_format]
     return task.hunyuan_task
+
+
+# The line array HunyuanOCR 1.5 writes for `spotting_json`; enforced by structured output with spotting_guided_json
+SPOTTING_LINES_SCHEMA: dict = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "box": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000},
+                    "minItems": 4, "maxItems": 4},
+            "text": {"type": "string"},
+        },
+        "required": ["box", "text"],
+        "additionalProperties": False,
+    },
+}

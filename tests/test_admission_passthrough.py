@@ -212,7 +212,7 @@ async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refus
     `ingress` the ingress refuses them and the engine never sees them. Damage that breaks a CRC is refused by the
     ingress either way."""
     from service.imaging import decode_image
-    from service.api import ocr
+    from service.pipeline import page as ocr
     from tests.fixtures.hostile import bare_png
     from service.pipeline.context import AppContext
     from service.schema import OCRRequest

@@ -10,11 +10,12 @@ import logging
 
 import httpx
 import pytest
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends
 from PIL import Image
 
 from service.admission.auth import (
     ANONYMOUS,
+    Principal,
     KeyFileAuthenticator,
     hash_key,
     key_from_headers,
@@ -24,6 +25,7 @@ from service.admission.auth import (
 )
 from service.cli.keys import add_key, revoke_key, write_key_file
 from service.http.app import create_app
+from service.http.deps import admin
 from service.cli.main import main as cli_main
 from service.engine.mock import MockEngine
 from service.errors import OCRError
@@ -51,25 +53,23 @@ def key_file(tmp_path):
     return path, keys
 
 
-def admin_router(ctx):
-    """An admin endpoint as the adapter admin API guards them: authenticate, then require the admin role."""
-    router = APIRouter()
+admin_router = APIRouter()
 
-    @router.get("/v1/admin/ping")
-    async def ping(request: Request):
-        principal = require_admin(ctx.authenticator.authenticate(request.headers))
-        return {"tenant": principal.tenant}
 
-    return router
+@admin_router.get("/v1/admin/ping")
+async def ping(caller: Principal = Depends(admin)):
+    """An admin endpoint guarded as the adapter admin API is: the `admin` dependency."""
+    return {"tenant": caller.tenant}
 
 
 def app_client(key_path, engine=None) -> httpx.AsyncClient:
-    from service.serve.app import build_context
+    from service.pipeline.context import build_context
 
     ctx = build_context(Settings(engine="mock", api_keys_file=key_path, api_keys_reload_interval_s=0),
                         engine or MockEngine(adapters=["invoices", "contracts"]))
-    ctx.extras["routers"] = [admin_router]
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://test", timeout=60)
+    app = create_app(ctx)
+    app.include_router(admin_router)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
 
 
 def assert_error(resp: httpx.Response, status: int, code: str) -> None:

@@ -463,10 +463,11 @@ class NeverParse:
 async def test_an_empty_bucket_is_refused_before_any_upload_is_parsed(monkeypatch):
     """Finding 4, in-process: with one token spent, /v1/ocr (image and PDF), /v1/jobs (PDF and images) and the OpenAI
     endpoints answer 429 and neither the image header parser, the decoder nor the PDF sandbox ran."""
-    from service.admission import images as images_module
+    from service import imaging as images_module
     from service.admission import pdf as pdf_module
-    from service.api import jobs as jobs_module
-    from service.api import ocr as ocr_module
+    from service.jobs import runner as runner_module
+    from service.jobs import source as jobs_module
+    from service.pipeline import page as ocr_module
     from service.engine.mock import MockEngine
     from tests.fixtures.api_inprocess import make_client
 
@@ -477,8 +478,8 @@ async def test_an_empty_bucket_is_refused_before_any_upload_is_parsed(monkeypatc
         for module, name in [(images_module, "decode_image"), (images_module, "probe_image"),
                              (ocr_module, "decode_image"), (ocr_module, "probe_image"), (jobs_module, "probe_image"),
                              (pdf_module, "_Worker"), (jobs_module, "PdfSession"), (ocr_module, "probe_upload"),
-                             (jobs_module, "probe_source")]:
-            monkeypatch.setattr(module, name, guard, raising=False)
+                             (ocr_module, "decode_base64_image"), (runner_module, "probe_source")]:
+            monkeypatch.setattr(module, name, guard)  # raising: every name must exist where it is patched
         pdf = heavy_content_pdf(3, strokes=1000)
         answers = [
             await client.post("/v1/ocr", json={"image": image, "task": "text"}),
@@ -530,7 +531,7 @@ async def test_a_pdf_job_stops_at_its_documents_cpu_budget():
         resp = await client.post("/v1/jobs", files={"file": ("h.pdf", heavy, "application/pdf")},
                                  data={"task": "text"})
         assert resp.status_code == 202, resp.text
-        runner = client._transport.app.state.ctx.extras["jobs"]
+        runner = client._transport.app.state.jobs
         await asyncio.wait_for(runner.wait_all(), 120)
         final = (await client.get(f"/v1/jobs/{resp.json()['id']}")).json()
     cpu = children_cpu_s() - cpu_before
@@ -543,14 +544,14 @@ async def test_a_pdf_job_stops_at_its_documents_cpu_budget():
 async def test_a_jobs_decoded_pixels_are_budgeted_from_the_headers_before_any_decode(monkeypatch):
     """Finding 3: thirteen 6300² PNGs (516 MP, 0.7 MB on the wire) pass every per-image check, and together exceed
     `max_request_pixels` (500 MP): 413 `too_many_pixels`, nothing decoded."""
-    from service.admission import images as images_module
+    from service import imaging as images_module
     from service.engine.mock import MockEngine
     from service.jobs import runner as runner_module
     from tests.fixtures.api_inprocess import make_client
 
     guard = NeverParse()
     monkeypatch.setattr(images_module, "decode_image", guard)
-    monkeypatch.setattr(runner_module, "decode_image", guard, raising=False)
+    monkeypatch.setattr(runner_module, "decode_image", guard)
     png = huge_compressible_png()
     async with make_client(MockEngine()) as client:
         resp = await client.post("/v1/jobs", files=[("file", (f"p{i}.png", png, "image/png")) for i in range(13)],
@@ -584,7 +585,7 @@ async def test_a_job_keeps_its_upload_and_decodes_a_page_when_it_is_dispatched(m
         resp = await client.post("/v1/jobs", files=[("file", (f"p{i}.png", small_png(), "image/png"))
                                                      for i in range(6)], data={"task": "text"})
         assert resp.status_code == 202 and decoding["total"] == 0
-        runner = client._transport.app.state.ctx.extras["jobs"]
+        runner = client._transport.app.state.jobs
         await asyncio.wait_for(runner.wait_all(), 60)
         final = (await client.get(f"/v1/jobs/{resp.json()['id']}")).json()
     assert final["status"] == "succeeded"
@@ -612,7 +613,7 @@ async def test_a_tenants_running_jobs_are_capped_in_process():
         assert answers[2].json()["error"]["code"] == "too_many_jobs" and answers[2].headers["Retry-After"]
         assert (await client.post("/v1/jobs", files=files, data={"task": "text"}, headers=bob)).status_code == 202
         await client.delete(f"/v1/jobs/{answers[0].json()['id']}", headers=alice)
-        runner = ctx.extras["jobs"]
+        runner = client._transport.app.state.jobs
         for _ in range(100):  # the runner stops within a moment
             if answers[0].json()["id"] not in runner.running():
                 break
@@ -668,7 +669,7 @@ async def test_the_page_scheduler_takes_the_tenants_jobs_in_turn():
                                                       for i in range(4)],
                                    data={"task": "text"}, headers={"Authorization": "Bearer b"})
         assert first.status_code == second.status_code == 202
-        await asyncio.wait_for(ctx.extras["jobs"].wait_all(), 60)
+        await asyncio.wait_for(client._transport.app.state.jobs.wait_all(), 60)
     owners = ["a" if r.request_id.startswith(first.json()["id"]) else "b" for r in engine.requests]
     last_b = max(i for i, owner in enumerate(owners) if owner == "b")
     assert owners.count("b") == 4 and last_b <= 10, owners  # b's 4 pages among a's first few, not after all 12

@@ -355,7 +355,7 @@ def test_drain_past_its_deadline_answers_every_client(tmp_path, drain_trigger):
             service.proc.send_signal(signal.SIGTERM)
         else:
             address = re.search(r"Ray cluster at (\S+)", service.log()).group(1)
-            drained = subprocess.run([sys.executable, "-m", "service.cli.main", "drain", "--address", address,
+            drained = subprocess.run([sys.executable, "-m", "service.cli", "drain", "--address", address,
                                       "--timeout-s", str(DRAIN_BOUND_S)], env=service.env, capture_output=True,
                                      text=True, timeout=120)
             assert drained.returncode == 0, drained.stdout + drained.stderr
@@ -416,10 +416,20 @@ async def test_app_cuts_a_body_that_arrives_too_slowly():
         assert fast.status_code == 200, fast.text
 
 
+async def test_open_mode_is_one_tenant_without_a_cap():
+    """No key file: every caller is the anonymous tenant, and the per-tenant cap does not cap the whole service."""
+    settings = Settings(engine="mock", rate_limit_enabled=False, max_concurrent_requests_per_tenant=1)
+    app = create_app(AppContext(settings=settings, engine=MockEngine(delay_s=0.5)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                 timeout=30) as client:
+        answers = await asyncio.gather(*(client.post("/v1/ocr", json=page_body()) for _ in range(3)))
+    assert [r.status_code for r in answers] == [200, 200, 200]
+
+
 async def test_app_caps_a_tenants_concurrent_requests(tmp_path):
     path = tmp_path / "keys.yaml"
     key_a, key_b = add_key(path, tenant="a")[0], add_key(path, tenant="b")[0]
-    from service.serve.app import build_context
+    from service.pipeline.context import build_context
 
     settings = Settings(engine="mock", rate_limit_enabled=False, api_keys_file=path,
                         max_concurrent_requests_per_tenant=1)
@@ -452,7 +462,7 @@ class StallingEngine(MockEngine):
 @pytest.mark.parametrize("path,stream_frame", [("/v1/ocr", b"event: error\ndata: "),
                                                ("/v1/chat/completions", b"\n\ndata: {\"error\"")])
 async def test_drain_cut_answers_open_requests_and_ends_streams(path, stream_frame):
-    from service.http.app import cut_requests
+    from service.http.middleware import cut_requests
 
     ctx, app = app_for(StallingEngine(delay_s=0.0))
     image = page_body()["image"]

@@ -8,7 +8,6 @@ input is legal (odd colour modes, sizes just below the caps). No 5xx, no engine 
 from __future__ import annotations
 
 import collections
-import os
 import socket
 import threading
 import time

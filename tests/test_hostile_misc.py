@@ -329,11 +329,11 @@ async def test_a_job_whose_state_vanished_is_failed_as_lost(key_file, monkeypatc
         job_id = created.json()["id"]
         while (await client.get(f"/v1/jobs/{job_id}", headers=bearer(keys["acme"]))).json()["pages_done"] < 2:
             await asyncio.sleep(0.05)
-        store = ctx.extras["jobs"].store
+        store = app.state.jobs.store
         for state in (store._jobs, store._pages, store._expires):
             state.pop(job_id)
         assert (await client.get(f"/v1/jobs/{job_id}", headers=bearer(keys["acme"]))).status_code == 404
-        await asyncio.wait_for(ctx.extras["jobs"].wait_all(), WAIT_S)
+        await asyncio.wait_for(app.state.jobs.wait_all(), WAIT_S)
         view = (await client.get(f"/v1/jobs/{job_id}", headers=bearer(keys["acme"]))).json()
         events = sse_events((await client.get(f"/v1/jobs/{job_id}/events", headers=bearer(keys["acme"]))).text)
     assert view["status"] == "failed" and view["error"]["code"] == "job_lost", view

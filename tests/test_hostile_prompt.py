@@ -303,7 +303,7 @@ async def test_json_bodies_with_too_many_items_are_refused_before_parsing(app_cl
 
 
 async def test_message_and_part_counts_are_bounded(app_client):
-    from service.http.openai.router import MAX_CONTENT_PARTS, MAX_MESSAGES
+    from service.http.openai.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES
 
     client, _, _ = app_client
     system = {"role": "system", "content": "be brief"}

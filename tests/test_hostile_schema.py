@@ -160,9 +160,9 @@ def test_local_references_keep_working():
 
 def test_schema_work_never_runs_on_the_event_loop(monkeypatch):
     """The schema check (extract and chat) and the output validation are called from worker threads only."""
-    import service.http.routes.ocr
     import service.http.openai.router
     import service.parsing.extraction
+    import service.pipeline.admit
 
     calls: list[tuple[str, bool]] = []
 
@@ -176,7 +176,7 @@ def test_schema_work_never_runs_on_the_event_loop(monkeypatch):
             return function(*args, **kwargs)
         return probe
 
-    for module, name in ((service.http.routes.ocr, "check_schema"), (service.http.openai.router, "check_schema"),
+    for module, name in ((service.pipeline.admit, "check_schema"), (service.http.openai.router, "check_schema"),
                          (service.parsing.extraction, "output_errors")):
         monkeypatch.setattr(module, name, off_loop_probe(f"{module.__name__}.{name}", getattr(module, name)))
     schema = {"type": "object", "properties": {"mock": {"type": "string"}}}
@@ -186,7 +186,7 @@ def test_schema_work_never_runs_on_the_event_loop(monkeypatch):
         assert resp.status_code == 200 and "event: result" in resp.text
         assert client.post("/v1/chat/completions", json=chat_body(schema)).status_code == 200
     names = {name for name, _ in calls}
-    assert names == {"service.http.routes.ocr.check_schema", "service.http.openai.router.check_schema",
+    assert names == {"service.pipeline.admit.check_schema", "service.http.openai.router.check_schema",
                      "service.parsing.extraction.output_errors"}, calls
     assert [call for call in calls if call[1]] == [], "schema work ran on the event loop"
 
@@ -308,7 +308,7 @@ def test_chat_response_format_that_passes_reaches_the_engine():
 def test_cli_parse_with_a_remote_ref_fetches_nothing(recording_listener, tmp_path):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps({"type": "object", "properties": {"total": {"$ref": recording_listener.url()}}}))
-    proc = subprocess.run([sys.executable, "-m", "service.cli.main", "parse", "--task", "extract", "--schema", str(path),
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "parse", "--task", "extract", "--schema", str(path),
                            "--width", "10", "--height", "10"], input='{"total": 1}', capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2, (proc.stdout, proc.stderr)

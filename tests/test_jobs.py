@@ -50,7 +50,7 @@ def image_parts(count: int) -> list[tuple[str, tuple[str, bytes, str]]]:
 
 
 def runner_of(client: httpx.AsyncClient):
-    return client._transport.app.state.ctx.extras["jobs"]
+    return client._transport.app.state.jobs
 
 
 async def wait_for(client: httpx.AsyncClient, job_id: str, predicate) -> dict:

@@ -57,7 +57,7 @@ def test_cli_shows_a_progress_bar_fed_by_the_events(embedded_url, tmp_path):
     path = tmp_path / "three.pdf"
     path.write_bytes(text_pdf(3))
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.run([sys.executable, "-m", "service.cli.main", "ocr", str(path), "--task", "text",
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "ocr", str(path), "--task", "text",
                            "--url", embedded_url], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     progress = proc.stderr.strip().splitlines()

@@ -25,6 +25,7 @@ import pytest
 from PIL import Image
 
 from service.http.app import create_app
+from service.jobs.runner import JobRunner
 from service.pipeline.context import AppContext
 from service.engine.mock import MockEngine
 from service.jobs import webhook as webhook_module
@@ -166,12 +167,13 @@ class Recorder:
         return [tags["outcome"] for name, _, tags in self.calls if name == "ocr_webhook_deliveries"]
 
 
-def make_app(engine=None, **settings) -> tuple[httpx.AsyncClient, AppContext, Recorder]:
+def make_app(engine=None, **settings) -> tuple[httpx.AsyncClient, JobRunner, Recorder]:
+    """A client of the app, the app's job runner, and what its metrics recorded."""
     recorder = Recorder()
     ctx = AppContext(settings=Settings(**settings), engine=engine or MockEngine(), metrics=IngressMetrics(recorder))
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://test",
-                               timeout=WAIT_S)
-    return client, ctx, recorder
+    app = create_app(ctx)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=WAIT_S)
+    return client, app.state.jobs, recorder
 
 
 def png(size=(160, 100)) -> bytes:
@@ -188,9 +190,8 @@ async def post_job(client: httpx.AsyncClient, webhook: str, pages: int = 2, **fi
     return await client.post("/v1/jobs", files=image_parts(pages), data={"task": "text", "webhook": webhook, **fields})
 
 
-async def finish(ctx: AppContext) -> None:
+async def finish(runner: JobRunner) -> None:
     """Until the jobs and then their webhook deliveries have ended."""
-    runner = ctx.extras["jobs"]
     await asyncio.wait_for(runner.wait_all(), WAIT_S)
     await asyncio.wait_for(runner.webhooks.wait_all(), WAIT_S)
 
@@ -213,12 +214,12 @@ def valid_signature(received: Received, secret: str = SECRET) -> bool:
 async def test_a_finished_job_sends_one_signed_webhook_with_its_final_state(receivers, caplog):
     caplog.set_level(logging.INFO, logger="service.jobs.webhook")
     receiver = receivers()
-    client, ctx, recorder = make_app(webhook_secret=SECRET, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(webhook_secret=SECRET, **LOOPBACK_ONLY)
     async with client:
         resp = await post_job(client, receiver.url("/hook?token=query-secret"), pages=2, return_page_images="true")
         assert resp.status_code == 202, resp.text
         job_id = resp.json()["id"]
-        await finish(ctx)
+        await finish(runner)
         view = (await client.get(f"/v1/jobs/{job_id}")).json()
     assert len(receiver.requests) == 1
     got = receiver.requests[0]
@@ -243,14 +244,14 @@ async def test_a_finished_job_sends_one_signed_webhook_with_its_final_state(rece
 
 async def test_a_cancelled_job_reports_cancelled(receivers):
     receiver = receivers()
-    client, ctx, recorder = make_app(MockEngine(delay_s=0.3), job_page_concurrency=1, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(MockEngine(delay_s=0.3), job_page_concurrency=1, **LOOPBACK_ONLY)
     async with client:
         job_id = (await post_job(client, receiver.url(), pages=10)).json()["id"]
         deadline = time.monotonic() + WAIT_S
         while (await client.get(f"/v1/jobs/{job_id}")).json()["pages_done"] < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await client.delete(f"/v1/jobs/{job_id}")
-        await finish(ctx)
+        await finish(runner)
     assert len(receiver.requests) == 1
     body = json.loads(receiver.requests[0].body)
     assert body["id"] == job_id and body["status"] == "cancelled" and 1 <= body["pages_done"] < 10
@@ -260,10 +261,10 @@ async def test_a_cancelled_job_reports_cancelled(receivers):
 
 async def test_a_receiver_error_is_retried_until_delivered(receivers, fast_backoff):
     receiver = receivers(statuses=(500, 200))
-    client, ctx, recorder = make_app(webhook_secret=SECRET, webhook_max_attempts=3, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(webhook_secret=SECRET, webhook_max_attempts=3, **LOOPBACK_ONLY)
     async with client:
         job_id = (await post_job(client, receiver.url())).json()["id"]
-        await finish(ctx)
+        await finish(runner)
     assert len(receiver.requests) == 2
     first, second = receiver.requests
     assert first.body == second.body and json.loads(second.body)["id"] == job_id
@@ -274,10 +275,10 @@ async def test_a_receiver_error_is_retried_until_delivered(receivers, fast_backo
 
 async def test_attempts_are_bounded(receivers, fast_backoff):
     receiver = receivers(statuses=(503,))
-    client, ctx, recorder = make_app(webhook_max_attempts=3, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(webhook_max_attempts=3, **LOOPBACK_ONLY)
     async with client:
         resp = await post_job(client, receiver.url())
-        await finish(ctx)
+        await finish(runner)
         job = (await client.get(f"/v1/jobs/{resp.json()['id']}")).json()
     assert len(receiver.requests) == 3
     assert recorder.outcomes() == ["http_error"]
@@ -288,10 +289,10 @@ async def test_attempts_are_bounded(receivers, fast_backoff):
 async def test_redirects_are_never_followed(receivers, status):
     target = receivers()
     redirecting = receivers(statuses=(status,), location=target.url("/stolen"))
-    client, ctx, recorder = make_app(webhook_max_attempts=3, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(webhook_max_attempts=3, **LOOPBACK_ONLY)
     async with client:
         assert (await post_job(client, redirecting.url())).status_code == 202
-        await finish(ctx)
+        await finish(runner)
     assert len(redirecting.requests) == 1  # a redirect is a failed delivery, not retried
     assert target.requests == []
     assert recorder.outcomes() == ["redirect"]
@@ -299,12 +300,12 @@ async def test_redirects_are_never_followed(receivers, status):
 
 async def test_a_slow_receiver_never_holds_up_the_job(receivers, fast_backoff):
     receiver = receivers(hold=True)  # accepts the request, never answers (until the test ends)
-    client, ctx, recorder = make_app(webhook_timeout_s=0.5, webhook_max_attempts=2, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(webhook_timeout_s=0.5, webhook_max_attempts=2, **LOOPBACK_ONLY)
     async with client:
         job_id = (await post_job(client, receiver.url())).json()["id"]
-        await asyncio.wait_for(ctx.extras["jobs"].wait_all(), WAIT_S)
+        await asyncio.wait_for(runner.wait_all(), WAIT_S)
         assert (await client.get(f"/v1/jobs/{job_id}")).json()["status"] == "succeeded"
-        await asyncio.wait_for(ctx.extras["jobs"].webhooks.wait_all(), WAIT_S)
+        await asyncio.wait_for(runner.webhooks.wait_all(), WAIT_S)
     assert len(receiver.requests) == 2
     assert recorder.outcomes() == ["timeout"]
 
@@ -347,28 +348,27 @@ async def test_a_slow_receiver_never_holds_up_the_job(receivers, fast_backoff):
 ])
 async def test_non_public_webhooks_are_refused_at_post(receivers, url):
     receiver = receivers()  # the loopback URLs point at it: it must never be called
-    client, ctx, recorder = make_app()  # no allow-list
+    client, runner, recorder = make_app()  # no allow-list
     sent = []
     async with client:
         # the runner exists once the app is built; a webhook that got through would be recorded, not sent
-        runner = ctx.extras["jobs"]
         runner.webhooks.send = lambda *args: sent.append(args)
         resp = await post_job(client, url.format(port=receiver.port))
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["code"] == "invalid_webhook"
         assert runner.running() == []  # refused before the job was created
-        await finish(ctx)
+        await finish(runner)
     assert sent == [] and receiver.requests == []
 
 
 async def test_a_name_with_any_non_public_address_is_refused(monkeypatch):
     dns = FakeDNS(monkeypatch, {"mixed.example.test": [["93.184.215.14", "10.1.2.3"]]})
-    client, ctx, _ = make_app(**LOOPBACK_ONLY)
+    client, runner, _ = make_app(**LOOPBACK_ONLY)
     sent = []
     async with client:
-        ctx.extras["jobs"].webhooks.send = lambda *args: sent.append(args)
+        runner.webhooks.send = lambda *args: sent.append(args)
         resp = await post_job(client, "https://mixed.example.test/hook")
-        await finish(ctx)
+        await finish(runner)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_webhook"
     assert "10.1.2.3" not in resp.text  # the answer is no oracle for internal DNS
     assert dns.lookups["mixed.example.test"] == 1 and sent == []
@@ -379,11 +379,11 @@ async def test_dns_is_resolved_once_and_delivery_goes_to_the_pinned_address(rece
     rebound = receivers(host="127.0.0.2", port=pinned.port)  # where a second lookup would now lead
     # the name first resolves to an allowed address, then (rebinding) to a denied one
     dns = FakeDNS(monkeypatch, {"hooks.example.test": [["127.0.0.1"], ["127.0.0.2"]]})
-    client, ctx, recorder = make_app(webhook_secret=SECRET, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(webhook_secret=SECRET, **LOOPBACK_ONLY)
     async with client:
         resp = await post_job(client, f"http://hooks.example.test:{pinned.port}/cb?x=1")
         assert resp.status_code == 202, resp.text
-        await finish(ctx)
+        await finish(runner)
     assert dns.lookups["hooks.example.test"] == 1
     assert rebound.requests == []
     assert len(pinned.requests) == 1
@@ -395,11 +395,11 @@ async def test_dns_is_resolved_once_and_delivery_goes_to_the_pinned_address(rece
 async def test_an_allow_listed_name_may_resolve_to_a_private_address(receivers, monkeypatch):
     receiver = receivers()
     dns = FakeDNS(monkeypatch, {"hooks.internal": [["127.0.0.1"]]})
-    client, ctx, recorder = make_app(webhook_allowed_hosts=["Hooks.Internal."])
+    client, runner, recorder = make_app(webhook_allowed_hosts=["Hooks.Internal."])
     async with client:
         assert (await post_job(client, f"http://hooks.internal:{receiver.port}/")).status_code == 202
         resp = await post_job(client, f"http://127.0.0.1:{receiver.port}/")  # the IP itself is not allowed
-        await finish(ctx)
+        await finish(runner)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_webhook"
     assert dns.lookups["hooks.internal"] == 1 and len(receiver.requests) == 1
     assert recorder.outcomes() == ["delivered"]
@@ -448,14 +448,14 @@ async def test_https_webhook_uses_sni_and_verifies_the_certificate_for_the_name(
     server_tls, client_tls = tls_material(tmp_path, "hooks.example.test")
     receiver = receivers(tls=server_tls)
     dns = FakeDNS(monkeypatch, {"hooks.example.test": [["127.0.0.1"]], "other.example.test": [["127.0.0.1"]]})
-    client, ctx, recorder = make_app(webhook_max_attempts=1, **LOOPBACK_ONLY)
+    client, runner, recorder = make_app(webhook_max_attempts=1, **LOOPBACK_ONLY)
     async with client:
-        ctx.extras["jobs"].webhooks.verify = client_tls
+        runner.webhooks.verify = client_tls
         good = await post_job(client, f"https://hooks.example.test:{receiver.port}/secure")
-        await finish(ctx)
+        await finish(runner)
         # same pinned IP, but the certificate is not valid for this name: the handshake is refused, nothing sent
         bad = await post_job(client, f"https://other.example.test:{receiver.port}/secure")
-        await finish(ctx)
+        await finish(runner)
     assert good.status_code == bad.status_code == 202
     assert dns.lookups == {"hooks.example.test": 1, "other.example.test": 1}
     assert len(receiver.requests) == 1

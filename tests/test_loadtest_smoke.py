@@ -227,7 +227,7 @@ def test_a_terminated_benchmark_stops_the_service_it_started(tmp_path):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     services: list[int] = []
     try:
-        from service.cli.main import READY_MARKER
+        from service.cli.serve import READY_MARKER
 
         logs = tmp_path / "logs"
         wait_for(lambda: any(READY_MARKER in p.read_text(errors="replace") for p in logs.glob("*.log")), 180,

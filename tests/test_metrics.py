@@ -241,7 +241,8 @@ async def test_ingress_records_requests_pages_and_errors():
     from service.config import Settings
 
     recorder = Recorder()
-    settings = Settings(engine="mock", default_rate=0.001, default_burst=2, max_body_bytes=4096)
+    # three tokens: the two good requests and the bad base64 (paid for before it is decoded)
+    settings = Settings(engine="mock", default_rate=0.001, default_burst=3, max_body_bytes=4096)
     metrics = IngressMetrics(recorder)
     metrics.publish_config(settings)
     ctx = AppContext(settings=settings, engine=MockEngine(), metrics=metrics)
@@ -254,14 +255,14 @@ async def test_ingress_records_requests_pages_and_errors():
         too_big = await client.post("/v1/ocr", content=b"{" + b" " * 8000 + b"}",
                                     headers={"content-type": "application/json"})
         assert too_big.status_code == 413
-        await client.post("/v1/ocr", json={"image": png_b64(), "task": "text"})  # uses the second token
+        await client.post("/v1/ocr", json={"image": png_b64(), "task": "text"})  # uses the last token
         limited = await client.post("/v1/ocr", json={"image": png_b64(), "task": "text"})
         assert limited.status_code == 429
         assert (await client.get("/healthz")).status_code == 200  # not an API request: not counted
 
     requests = [(c[3]["task"], c[3]["status"], c[3]["code"], c[3]["tenant"]) for c in recorder.of("ocr_requests")]
     # an unreadable body has no task yet: `unknown`
-    assert requests == [("spotting", "200", "ok", "anonymous"), ("unknown", "400", "invalid_base64", "anonymous"),
+    assert requests == [("spotting", "200", "ok", "anonymous"), ("spotting", "400", "invalid_base64", "anonymous"),
                         ("unknown", "413", "payload_too_large", "unknown"), ("text", "200", "ok", "anonymous"),
                         ("text", "429", "rate_limited", "anonymous")]
     assert [c[3] for c in recorder.of("ocr_rate_limited")] == [{"tenant": "anonymous"}]

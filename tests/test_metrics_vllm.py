@@ -36,7 +36,7 @@ def page_b64() -> str:
 def drive_adapter_and_repetition(url: str, lora_dir, tiny_model_dir, prom) -> None:
     """Traffic for the LoRA panels (a new adapter: one load, then cache hits) and the repetition panel (the random
     model loops on this page; the engine's guard cuts it, as in test_vllm_engine)."""
-    from service.cli.modelkit import write_lora_adapter
+    from service.engine.vllm.lora import write_lora_adapter
     from tests.test_vllm_engine import small_document
 
     write_lora_adapter(lora_dir / "metrics-lora", tiny_model_dir, seed=99)

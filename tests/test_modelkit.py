@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from service import modelkit
+from service.cli import modelkit
 
 
 @pytest.fixture(scope="module")
 def full_kit(tmp_path_factory):
     out = tmp_path_factory.mktemp("full-kit")
-    proc = subprocess.run([sys.executable, "-m", "service.cli.main", "model-kit", str(out)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "model-kit", str(out)], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["weights"] is False
@@ -105,7 +105,8 @@ def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
 
-    from service.cli.modelkit import write_kit, write_lora_adapter
+    from service.cli.modelkit import write_kit
+    from service.engine.vllm.lora import write_lora_adapter
 
     kit = tmp_path / "kit"
     write_kit(kit, tiny=False, weights=False)
@@ -124,7 +125,7 @@ def test_adapter_for_the_full_size_kit_matches_its_projections(tmp_path):
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 8 and set(config["target_modules"]) == {"o_proj", "down_proj"}
     # the engine's LoRA warm-up adapter: every linear module of the text model, all zeros
-    from service.cli.modelkit import LORA_MODULES
+    from service.engine.vllm.lora import LORA_MODULES
 
     wide = load_file(str(write_lora_adapter(tmp_path / "wide", kit, seed=0, rank=16, std=0.0, modules=LORA_MODULES)
                          / "adapter_model.safetensors"))

@@ -11,7 +11,7 @@ import pytest
 
 
 def run_parse(args: list[str], stdin: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.cli.main", "parse", *args], input=stdin, text=True,
+    return subprocess.run([sys.executable, "-m", "service.cli", "parse", *args], input=stdin, text=True,
                           capture_output=True, timeout=120)
 
 

@@ -9,7 +9,7 @@ import pytest
 from service.engine.protocol import EngineResult, TokenLogprob
 from service.parsing.confidence import (document_confidence, geometric_mean_probability, span_confidence,
                                         token_spans)
-from service.parsing.result import PageGeometry
+from service.parsing.page import PageGeometry
 from service.parsing.vlm import parse_vlm_output
 
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from service.engine.protocol import EngineResult
-from service.parsing.result import PageGeometry
+from service.parsing.page import PageGeometry
 from service.parsing.spotting import IncrementalSpotting, parse_spotting
 from service.parsing.vlm import parse_vlm_output
 

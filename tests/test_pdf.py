@@ -52,9 +52,9 @@ def test_renders_pages_at_the_chosen_dpi():
     data = text_pdf(3)  # A4 at 150 dpi: 1240x1754 px → 595x842 pt
     with pdf.PdfSession(data, settings, pages="2-3") as session:
         info = session.open()
+        pages = [session.render(number, 50_000_000) for number in (2, 3)]
     assert info.page_count == 3 and [p.number for p in info.pages] == [2, 3]
     assert info.pages[0].width_pt == pytest.approx(595.2, abs=0.5)
-    pages = list(pdf.render_pages(data, settings, [2, 3], max_pixels=50_000_000))
     assert [p.number for p in pages] == [2, 3] and all(p.error is None for p in pages)
     assert pages[0].dpi == 100 and pages[0].image.size == (827, 1170)  # 595.2 x 841.92 pt at 100 dpi, rounded up
     # the text is really there: dark pixels where page_texts put the first line (left margin 100 px at 150 dpi)
@@ -65,7 +65,9 @@ def test_renders_pages_at_the_chosen_dpi():
 def test_a_bad_page_fails_alone_and_the_others_still_render():
     good = ([0, 0, 300, 300], b"0 0 m 100 100 l S", b"")
     data = build_pdf([good, ([0, 0, 200_000, 10], b"", b""), good])
-    pages = list(pdf.render_pages(data, Settings(engine="mock"), [1, 2, 3], max_pixels=1_000_000))
+    with pdf.PdfSession(data, Settings(engine="mock")) as session:
+        session.open()
+        pages = [session.render(number, 1_000_000) for number in (1, 2, 3)]
     assert [p.error is None for p in pages] == [True, False, True]
     assert pages[1].error.code == "invalid_pdf"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.admission import images
+from service import imaging as images
 from service.imaging import decode_image, decode_png_pixels, png_rows_complete
 from service.errors import OCRError
 from tests.fixtures.hostile import ADAM7, bare_png

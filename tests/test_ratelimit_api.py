@@ -148,7 +148,7 @@ def test_no_key_in_the_service_logs(keyed_serve):
 # --- the in-process app (mock engine) --------------------------------------------------------------------------------
 
 def app_client(engine_client, **settings) -> tuple[httpx.AsyncClient, object]:
-    from service.serve.app import build_context
+    from service.pipeline.context import build_context
 
     ctx = build_context(Settings(**settings), engine_client)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(ctx)), base_url="http://test", timeout=60)

@@ -114,7 +114,7 @@ def test_started_service_has_every_engine_replica_up(tmp_path):
     import httpx
 
     from loadtest.common import start_service
-    from service.cli.main import READY_MARKER
+    from service.cli.serve import READY_MARKER
 
     settings = dict(engine="mock", min_replicas=2, max_replicas=2, engine_num_cpus=0.5, ingress_replicas=1,
                     mock_start_delay_s=10.0, rate_limit_enabled=False, graceful_shutdown_timeout_s=2)

@@ -9,7 +9,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 
 from service.engine.protocol import EngineDelta, EngineRequest, EngineResult
 from service.errors import OCRError
-from service.serve.app import ServeEngineClient, replica_died, translate_engine_error
+from service.serve.client import ServeEngineClient, replica_died, translate_engine_error
 
 
 class ScriptedHandle:

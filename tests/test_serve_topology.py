@@ -13,7 +13,8 @@ import pytest
 
 from service.errors import OCRError
 from service.serve.app import (COLOCATED_DEPLOYMENT, COLOCATED_HTTP_HEADROOM, COLOCATED_UNBOUNDED_QUEUE,
-                               ENGINE_DEPLOYMENT, EngineGate, INGRESS_DEPLOYMENT, build_app)
+                               ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, build_app)
+from service.serve.deployments import EngineGate
 from service.config import Settings
 
 

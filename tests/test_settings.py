@@ -62,7 +62,7 @@ def test_unknown_field_rejected():
 
 def test_config_command_masks_secrets():
     env = {**os.environ, "OCR_REDIS_URL": "redis://:hunter2-secret@127.0.0.1:6379/0", "OCR_PORT": "8111"}
-    out = subprocess.run([sys.executable, "-m", "service.cli.main", "config"], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "service.cli", "config"], env=env, capture_output=True, text=True,
                          check=True).stdout
     assert "hunter2-secret" not in out
     shown = json.loads(out)
@@ -72,6 +72,6 @@ def test_config_command_masks_secrets():
 
 def test_config_command_reports_invalid_settings():
     env = {**os.environ, "OCR_MAX_BODY_BYTES": "12"}
-    proc = subprocess.run([sys.executable, "-m", "service.cli.main", "config"], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "service.cli", "config"], env=env, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "OCR_MAX_BODY_BYTES" in proc.stderr

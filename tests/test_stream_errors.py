@@ -1,6 +1,6 @@
 """A streamed request (`stream: true`, on /v1/ocr and the OpenAI endpoints) that fails before any output gets the
 status and error body it would get without `stream`; only a failure after output arrived is an `error` event inside
-the 200 (service.http.routes.ocr.first_event_then_rest)."""
+the 200 (service.http.sse.first_event_then_rest)."""
 
 from __future__ import annotations
 

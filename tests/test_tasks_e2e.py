@@ -165,7 +165,7 @@ async def test_line_confidences_on_real_logprobs(e2e_url):
     from ray.serve.handle import DeploymentHandle
 
     from service.engine.protocol import EngineRequest
-    from service.parsing.result import PageGeometry
+    from service.parsing.page import PageGeometry
     from service.parsing.spotting import parse_spotting
     from service.parsing.vlm import parse_vlm_output
     from service.serve.app import ENGINE_DEPLOYMENT

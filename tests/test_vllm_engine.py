@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from service.admission.budget import image_tokens_for
-from service.cli.modelkit import write_lora_adapter
+from service.engine.vllm.lora import write_lora_adapter
 from service.serve.app import ENGINE_DEPLOYMENT
 from tests.fixtures.documents import render_document
 from tests.fixtures.reliability import replica_processes, wait_for
@@ -181,7 +181,7 @@ def test_unknown_adapter_is_404(vllm_url):
     resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(doc, model="nope"), timeout=300)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter"
     # streamed: the real engine refuses before any output, so the answer is the 404 itself, not a 200 with an
-    # error event (service.http.routes.ocr.first_event_then_rest)
+    # error event (service.http.sse.first_event_then_rest)
     resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "adapter": "nope",
                                                   "stream": True}, timeout=300)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter", resp.text

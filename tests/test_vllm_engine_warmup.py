@@ -197,7 +197,7 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
 
     from service.engine.protocol import EngineRequest
     from service.engine.vllm.engine import VLLMEngine
-    from service.cli.modelkit import LORA_MODULES, write_lora_adapter
+    from service.engine.vllm.lora import LORA_MODULES, write_lora_adapter
     from service.config import Settings
 
     engine = VLLMEngine(Settings(engine="vllm", model=str(tiny_model_dir), dtype="float32", max_model_len=1024,
@@ -253,7 +253,7 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
         monkeypatch.undo()
         caplog.clear()
 
-        monkeypatch.setattr("service.cli.modelkit.write_lora_adapter", broken)
+        monkeypatch.setattr("service.engine.vllm.lora.write_lora_adapter", broken)
         engine.lora_warmup_ms = None
         with caplog.at_level(logging.WARNING, logger="service.engine.vllm.engine"):
             await engine._warm_lora_kernels()

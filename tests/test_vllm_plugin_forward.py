@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from service.engine import vllm_plugin
+from service.engine.vllm import plugin as vllm_plugin
 from tests.fixtures.vllm import fake_native_hunyuan
 
 MODEL = "HunYuanVLForConditionalGeneration"

@@ -167,7 +167,7 @@ async def test_pages_render_in_worker_processes(tiny_model_dir):
 async def test_an_engine_whose_render_processes_fail_to_start_stops_itself(tiny_model_dir, monkeypatch):
     """A render process that cannot warm up (here: its warm-up page is not an image) fails the engine's start with
     the reason, and the half-started engine does not stay behind: its vLLM engine is shut down, no pool is kept."""
-    from service.engine import vllm_engine
+    from service.engine.vllm import engine as vllm_engine
     from service.engine.vllm.render_pool import RenderPool
     from service.config import Settings
 

@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -161,6 +161,19 @@ def require_admin(principal: Principal) -> Principal:
     return principal
 
 
+class Authenticator(Protocol):
+    def authenticate(self, headers: Any) -> Principal: ...
+
+
+class OpenAuthenticator:
+    """No key file: everyone is the anonymous admin (development mode)."""
+
+    open_mode = True
+
+    def authenticate(self, headers: Any) -> Principal:
+        return ANONYMOUS
+
+
 class KeyFileAuthenticator:
     """Authenticates against the hashed keys of a key file; re-reads the file when it changes.
 
@@ -233,8 +246,6 @@ def make_authenticator(settings):
     """The authenticator the settings ask for; without a key file the open (development) one, announced loudly."""
     if settings.api_keys_file is not None:
         return KeyFileAuthenticator(settings.api_keys_file, reload_interval_s=settings.api_keys_reload_interval_s)
-    from service.pipeline.context import OpenAuthenticator
-
     announce_open_service()
     return OpenAuthenticator()
 

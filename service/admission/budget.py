@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from service.errors import OCRError
 
 FACTOR = 32  # patch_size 16 × spatial_merge 2
+# Embedded engine: longest side sent to the engine (the detector itself works at embedded_det_limit_side_len)
+EMBEDDED_MAX_SIDE = 4096
 # A typical request's text tokens (chat template + task prompt): only for sizing what is rendered before the request's
 # own prompt is planned (PDF pages); each page's plan uses its own prompt's bound (prompt_token_bound).
 PROMPT_OVERHEAD_TOKENS = 160

@@ -33,8 +33,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
+from service.admission.budget import EMBEDDED_MAX_SIDE, FACTOR, PROMPT_OVERHEAD_TOKENS
 from service.errors import OCRError
 
 # PDF 1.7 (ISO 32000-1) Annex C: the largest page is 14 400 × 14 400 user units (200 in); bigger boxes are bombs.
@@ -145,11 +146,7 @@ def page_pixel_budget(settings, engine_name: str, max_tokens: int | None = None)
     VLM engines: the image-token budget of the context (one token per 32×32 block after the output budget) capped by
     the processor's max_pixels; the embedded engine: its longest-side cap. Never above `max_image_pixels`.
     """
-    from service.admission.budget import FACTOR, PROMPT_OVERHEAD_TOKENS
-
     if engine_name == "embedded":
-        from service.http.routes.ocr import EMBEDDED_MAX_SIDE
-
         budget = EMBEDDED_MAX_SIDE * EMBEDDED_MAX_SIDE
     else:
         tokens = min(max_tokens or settings.max_output_tokens, settings.max_output_tokens)
@@ -416,36 +413,6 @@ def rendered_size(page: PdfPage, settings, max_pixels: int) -> tuple[int, int]:
     dpi = choose_dpi(page.width_pt, page.height_pt, max_dpi=settings.max_pdf_dpi, max_pixels=max_pixels,
                      max_side=settings.max_image_side)
     return max(1, round(page.width_pt * dpi / POINTS_PER_INCH)), max(1, round(page.height_pt * dpi / POINTS_PER_INCH))
-
-
-def render_pages(data: bytes, settings, numbers: list[int], max_pixels: int) -> Iterator[RenderedPage]:
-    """Rasterise the given pages in order, each one failing alone (a document that cannot be opened fails them
-    all)."""
-    session = PdfSession(data, settings, pages=",".join(map(str, numbers)))
-    try:
-        try:
-            session.open()
-        except OCRError as exc:
-            for number in numbers:
-                yield RenderedPage(number=number, error=exc)
-            return
-        for number in numbers:
-            yield session.render(number, max_pixels)
-    finally:
-        session.close()
-
-
-def render_single_page(data: bytes, settings, max_pixels: int | None = None):
-    """`POST /v1/ocr` with a PDF: the document must have exactly one page; returns a DecodedImage."""
-    from service.imaging import DecodedImage
-
-    budget = max_pixels or single_page_pixel_budget(settings)
-    with PdfSession(data, settings, single_page=True) as session:
-        session.open()
-        page = session.render(1, budget)
-    if page.error is not None:
-        raise page.error
-    return DecodedImage(image=page.image, format="PDF", width=page.image.width, height=page.image.height)
 
 
 def single_page_pixel_budget(settings) -> int:

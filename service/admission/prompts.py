@@ -21,7 +21,7 @@ import re
 
 from service.schema import OCRRequest
 from service.config import Settings
-from service.tasks import HUNYUAN_15_PROMPTS, TASKS, hunyuan_task_for
+from service.tasks import HUNYUAN_15_PROMPTS, SPOTTING_LINES_SCHEMA, TASKS, hunyuan_task_for
 
 # <｜...｜>, <|...|>, and their halves; plus control characters
 _SPECIAL_TOKEN = re.compile(r"<\s*[｜|][^<>]{0,128}?[｜|]\s*>|<[｜|]|[｜|]>|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -235,7 +235,5 @@ def build_prompt(req: OCRRequest, settings: Settings) -> str:
 def guided_json_for(req: OCRRequest, settings: Settings) -> dict | None:
     """JSON Schema for structured output on the first attempt (spotting in JSON mode only; extraction retries later)."""
     if req.task == "spotting" and settings.spotting_guided_json and prompt_task_type(req, settings) == "spotting_json":
-        from service.parsing.spotting import SPOTTING_LINES_SCHEMA
-
         return SPOTTING_LINES_SCHEMA
     return None

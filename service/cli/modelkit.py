@@ -263,54 +263,6 @@ def write_kit(out: Path, *, tiny: bool, weights: bool, seed: int = 0) -> dict[st
     return summary
 
 
-# the text model's linear modules a PEFT adapter may target (vLLM packs q/k/v and gate/up into one layer each)
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def text_linear_shapes(model_dir: Path) -> tuple[dict[str, tuple[int, int]], int]:
-    """The text model's linear modules a LoRA adapter may target, as {"self_attn.q_proj": (in, out), ...} in
-    LORA_MODULES order, and the number of layers that each have them."""
-    text = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
-    hidden, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
-    head_dim = text.get("head_dim", hidden // text["num_attention_heads"])
-    attention = text["num_attention_heads"] * head_dim
-    kv = text.get("num_key_value_heads", text["num_attention_heads"]) * head_dim
-    return {"self_attn.q_proj": (hidden, attention), "self_attn.k_proj": (hidden, kv),
-            "self_attn.v_proj": (hidden, kv), "self_attn.o_proj": (attention, hidden),
-            "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}, layers
-
-
-def write_lora_adapter(directory: Path, model_dir: Path, *, seed: int, rank: int = 8, std: float = 0.5,
-                       modules: tuple[str, ...] = ("o_proj", "down_proj")) -> Path:
-    """A PEFT-format LoRA adapter for a kit's text model: `modules` of every layer (default o_proj and down_proj; any
-    of LORA_MODULES), seeded random A and B
-    (PEFT zeroes B at init; here both are random, so the adapter changes the outputs). For tests on the tiny kit and
-    the GPU check of LoRA slots (`loadtest/gpu_tasks.py --lora`) on the full-size one. With std 0 it is a zero
-    adapter, which changes nothing (the engine's LoRA warm-up)."""
-    import torch
-    from safetensors.torch import save_file
-
-    all_shapes, layers = text_linear_shapes(model_dir)
-    shapes = {name: shape for name, shape in all_shapes.items() if name.split(".")[1] in modules}
-    if len(shapes) != len(modules):
-        raise ValueError(f"LoRA modules must be among {LORA_MODULES}, got {modules}")
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(layers):
-        for module, (d_in, d_out) in shapes.items():
-            prefix = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=generator) * std
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=generator) * std
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank * 2, "lora_dropout": 0.0,
-        "bias": "none", "target_modules": list(modules), "base_model_name_or_path": "hunyuan-ocr",
-        "modules_to_save": None, "fan_in_fan_out": False, "inference_mode": True,
-    }))
-    return directory
-
-
 def cmd_model_kit(args: argparse.Namespace) -> int:
     summary = write_kit(Path(args.out), tiny=args.tiny, weights=args.weights, seed=args.seed)
     print(json.dumps(summary))

@@ -24,7 +24,8 @@ from service.errors import OCRError
 from service.admission.schemas import check_schema
 from service.parsing.extraction import check_named_properties
 from service.engine.repetition import guard_result
-from service.parsing.result import PageGeometry, build_response, parse_engine_output
+from service.parsing.page import PageGeometry
+from service.parsing.response import build_response, parse_engine_output
 from service.tasks import TASKS
 
 

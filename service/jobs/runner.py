@@ -31,15 +31,18 @@ import base64
 import io
 import logging
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from service.admission.auth import Principal
 from service.imaging import RELEASE_AFTER_PIXELS, DecodedImage, decode_image, release_freed_memory
-from service.admission.pdf import PdfSession
 from service.admission.workpool import FairSlots
-from service.http.routes.ocr import (Charge, PreparedPage, build_response, parse_output, prepare_decoded_page,
-                             rate_limit_cost, record_page)
+from service.jobs.source import JobSource, probe_source
+from service.pipeline.admit import Charge
+from service.pipeline.page import PreparedPage, prepare_decoded_page, rate_limit_cost
+from service.pipeline.run import recognise
+from service.engine.protocol import EngineInfo
 from service.schema import OCRRequest
 from service.errors import OCRError
 from service.jobs.model import HEARTBEAT_S, TERMINAL, ErrorInfo, JobRecord, JobView, PageResult
@@ -52,26 +55,9 @@ CANCEL_POLL_S = 0.5
 RETRY_BACKOFF_S = 0.25  # doubled per attempt, capped at MAX_BACKOFF_S
 MAX_BACKOFF_S = 2.0
 MAX_RATE_WAIT_S = 30.0
+JOB_CAP_RETRY_S = 5  # Retry-After of `too_many_jobs`: a job's pages take seconds
 OVERLOADED_WAIT_S = 0.5  # a page the admission pool has no room for waits this long, then asks again
 PREVIEW_MAX_SIDE = 1600
-
-
-@dataclass
-class JobSource:
-    """The pages of a job as uploaded: the images' bytes, or one PDF in its sandbox session (opened at `POST`).
-    Nothing is decoded before its page is dispatched."""
-
-    numbers: list[int]
-    sizes: list[tuple[int, int]]  # each page's pixels (image header, or PDF page at its DPI)
-    costs: list[float]  # each page's cost at its size, paid before it is decoded
-    images: list[bytes] = field(default_factory=list)  # aligned with `numbers` when not a PDF
-    pdf: PdfSession | None = None
-    render_pixels: int = 0  # PDF: the pixel budget its pages are rendered to
-
-    def close(self) -> None:
-        if self.pdf is not None:
-            self.pdf.stop()
-            self.pdf.close()
 
 
 @dataclass
@@ -101,6 +87,46 @@ class JobRunner:
                                    name=f"job-{record.id}")
         self._tasks[record.id] = task
         task.add_done_callback(lambda _: self._tasks.pop(record.id, None))
+
+    async def submit(self, principal: Principal, req: OCRRequest, engine: EngineInfo, files: list[bytes],
+                     numbers: list[int] | None, pages_spec: str | None, return_page_images: bool,
+                     webhook: WebhookTarget | None) -> tuple[JobRecord, dict[str, str]]:
+        """Accept a job whose task `pipeline.admit.admit_task` passed: one of the tenant's running-job slots (429
+        `too_many_jobs`), one token (429 on an empty bucket, nothing of the files parsed yet), its pages from their
+        headers on the admission pool (service/jobs/source.py), page 1's estimated cost, the stored record; then
+        it runs. Returns the record and the rate-limit headers."""
+        s = self.ctx.settings
+        tenant = principal.tenant
+        job_id = "job-" + uuid.uuid4().hex[:24]
+        if not await self.store.take_slot(tenant, job_id, s.max_running_jobs_per_tenant):
+            raise OCRError("too_many_jobs", f"tenant {tenant!r} already has {s.max_running_jobs_per_tenant} jobs "
+                           "running; retry once one has finished", headers={"Retry-After": str(JOB_CAP_RETRY_S)})
+        source = None
+        try:
+            charge = await Charge(self.ctx, principal).raise_to(1.0)
+            try:
+                source = await self.ctx.work_pool.run(tenant, probe_source, self.ctx, req, engine, files, numbers,
+                                                      pages_spec)
+            except OCRError as exc:
+                if exc.code == "overloaded":
+                    await charge.refund()
+                raise
+            await charge.raise_to(source.costs[0])
+            record = JobRecord(id=job_id, tenant=tenant, task=req.task, source="pdf" if source.pdf else "images",
+                               options=req.model_dump(mode="json", by_alias=True, exclude_none=True,
+                                                      exclude={"image", "stream"}),
+                               pages=source.numbers, return_page_images=return_page_images)
+            await self.store.create(record)
+        except BaseException:
+            if source is not None:
+                source.close()
+            try:
+                await self.store.release_slot(tenant, job_id)
+            except OCRError:  # the store is away: the slot's lease runs out on its own
+                pass
+            raise
+        self.start(record, req, source, principal, charge, webhook)
+        return record, charge.headers
 
     async def cancel(self, job_id: str) -> None:
         await self.store.request_cancel(job_id)
@@ -343,29 +369,12 @@ class JobRunner:
 
     async def _engine_call(self, req: OCRRequest, staged: StagedPage, info, started: float,
                            attempt: int) -> dict[str, Any]:
-        ctx = self.ctx
         prepared = staged.prepared
-        engine_request = prepared.engine_request
-        if attempt:
-            engine_request = engine_request.model_copy(update={"request_id": f"{engine_request.request_id}-r{attempt}"})
-        engine_started = time.perf_counter()
-        with ctx.metrics.waiting_for_engine():
-            result = await asyncio.wait_for(ctx.engine.generate(engine_request), ctx.settings.request_timeout_s)
-        engine_total_ms = (time.perf_counter() - engine_started) * 1000
-        parse_started = time.perf_counter()
-        parsed = await parse_output(ctx, req, result, prepared.geometry)
-        timings = {
-            "render": staged.render_ms,
-            "decode": prepared.decode_ms,
-            "queue": max(0.0, engine_total_ms - result.engine_ms),
-            "engine": result.engine_ms,
-            "parse": (time.perf_counter() - parse_started) * 1000,
-            "total": (time.perf_counter() - started) * 1000 + prepared.decode_ms + staged.render_ms,
-        }
-        response = build_response(request_id=prepared.engine_request.request_id, model=req.adapter or info.model,
-                                  task=req.task, result=result, geom=prepared.geometry, parsed=parsed,
-                                  timings_ms=timings, adapter=req.adapter)
-        record_page(ctx, req, prepared, result, parsed.confidence, timings)
+        request_id = f"{prepared.engine_request.request_id}-r{attempt}" if attempt else None
+        # the page's clock: its preparation and render (before `started`) count into its total
+        response = await recognise(self.ctx, req, prepared, model=req.adapter or info.model,
+                                   started=started - (prepared.decode_ms + staged.render_ms) / 1000,
+                                   extra_timings={"render": staged.render_ms}, request_id=request_id)
         return response.model_dump(mode="json")
 
 

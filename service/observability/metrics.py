@@ -17,16 +17,12 @@ separate counters.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import threading
-import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal
 
-from service.errors import ERROR_CODES
 from service.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -39,12 +35,6 @@ IMAGE_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 OUTPUT_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 
-# Routes counted in `ocr_requests_total` (path prefix -> `endpoint` label); health probes are not requests.
-COUNTED_ENDPOINTS = {"/v1/ocr": "ocr", "/v1/jobs": "jobs"}
-# A client that went away before its whole answer was sent: neither a success nor a fault of ours. Counted with
-# nginx's status for it, 499, and this code (no response carries either: nobody is there to read it).
-CLIENT_CLOSED_REQUEST = 499
-CLIENT_DISCONNECTED = "client_disconnected"
 STAGES = ("decode", "queue", "engine", "preprocess", "first_token", "generate", "delivery", "parse")
 AUTOSCALING_SETTINGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "latency_target_seconds")
 # Ray's metrics agent drops a gauge series that was not re-reported for 2 report intervals (2 x 10 s), and a process
@@ -425,85 +415,6 @@ def vllm_stat_loggers(settings) -> list | None:
     return [RayPrometheusStatLogger]
 
 
-# --- request accounting middleware ---------------------------------------------------------------------------------
-
-# Keys the handlers put into the ASGI scope state (request.state.<key>) for the middleware's labels.
-STATE_TASK = "metrics_task"
-STATE_TENANT = "metrics_tenant"
-
-
-class RequestMetricsMiddleware:
-    """Counts every request to a COUNTED_ENDPOINTS route with its final HTTP status and error code, whichever layer
-    answered (handler, exception handlers, body-size cap). Handlers add `task`/`tenant` via `request.state`; the error
-    code is read from the (small) JSON error body. A request whose client disconnected before the answer's last byte
-    (an `http.disconnect` from the server, or Serve cancelling the request when its proxy saw the client go) counts
-    as 499 `client_disconnected`, whatever the app answered into the void."""
-
-    def __init__(self, app, metrics: IngressMetrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        endpoint = _endpoint(scope)
-        if endpoint is None:
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        state = scope.setdefault("state", {})
-        status = 500
-        error_body = bytearray()
-        answered = disconnected = False
-
-        async def watching_receive():
-            nonlocal disconnected
-            message = await receive()
-            if message["type"] == "http.disconnect" and not answered:
-                disconnected = True
-            return message
-
-        async def recording_send(message) -> None:
-            nonlocal status, answered
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                if status >= 400 and len(error_body) < 4096:
-                    error_body.extend(message.get("body", b""))
-                answered = answered or not message.get("more_body", False)
-            await send(message)
-
-        try:
-            await self.app(scope, watching_receive, recording_send)
-        except asyncio.CancelledError:
-            disconnected = not answered
-            raise
-        finally:
-            if disconnected:
-                status, code = CLIENT_CLOSED_REQUEST, CLIENT_DISCONNECTED
-            else:
-                code = "ok" if status < 400 else _error_code(bytes(error_body), status)
-            self.metrics.request_finished(endpoint=endpoint, task=task_label(state.get(STATE_TASK)),
-                                          status=status, code=code, tenant=str(state.get(STATE_TENANT) or "unknown"),
-                                          seconds=time.perf_counter() - started)
-
-
-def _endpoint(scope) -> str | None:
-    if scope.get("type") != "http":
-        return None
-    path = scope.get("path", "")
-    for prefix, name in COUNTED_ENDPOINTS.items():
-        if path == prefix or path.startswith(prefix + "/"):
-            return name
-    return None
-
-
-def _error_code(body: bytes, status: int) -> str:
-    try:
-        code = json.loads(body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        code = None
-    if code in ERROR_CODES:
-        return code
-    return "internal_error" if status >= 500 else "invalid_request"
 
 
 # --- documentation -------------------------------------------------------------------------------------------------
@@ -516,22 +427,3 @@ def reference_table() -> str:
         labels = ", ".join(f"`{label}`" for label in spec.labels) or "-"
         rows.append(f"| `{spec.query_name}` | {spec.kind} | {spec.process} | {labels} | {spec.description} |")
     return "\n".join(rows)
-
-
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("metrics", help="metrics reference and a prometheus.yml for Ray metrics ports")
-    p.add_argument("what", choices=["table", "prometheus-config"])
-    p.add_argument("--target", action="append", default=[], help="host:port of a Ray metrics port (repeatable)")
-    p.add_argument("--scrape-interval", default="15s")
-    p.set_defaults(func=_cmd_metrics)
-
-
-def _cmd_metrics(args) -> int:
-    import yaml
-
-    if args.what == "table":
-        print(reference_table())
-    else:
-        print(yaml.safe_dump(prometheus_config(args.target or ["127.0.0.1:8080"],
-                                               scrape_interval=args.scrape_interval), sort_keys=False))
-    return 0

@@ -26,22 +26,6 @@ from dataclasses import dataclass, field
 
 Point = tuple[float, float]
 
-# JSON Schema of the spotting_json line array (structured output for spotting in JSON mode).
-SPOTTING_LINES_SCHEMA: dict = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {
-            "box": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000},
-                    "minItems": 4, "maxItems": 4},
-            "text": {"type": "string"},
-        },
-        "required": ["box", "text"],
-        "additionalProperties": False,
-    },
-}
-
-
 @dataclass
 class SpottedItem:
     text: str
@@ -72,7 +56,7 @@ _TAGGED = re.compile(
     re.DOTALL,
 )
 _HYMETA = re.compile(
-    rf"<hy-meta>\s*<layout>([^<]*)</layout>\s*<(?:quad|poly|box)>\s*([^<]*?)\s*</(?:quad|poly|box)>\s*</hy-meta>",
+    r"<hy-meta>\s*<layout>([^<]*)</layout>\s*<(?:quad|poly|box)>\s*([^<]*?)\s*</(?:quad|poly|box)>\s*</hy-meta>",
     re.DOTALL,
 )
 # bare coordinates: no spaces (as the model emits them), at least two points

@@ -21,7 +21,7 @@ from service.schema import Line
 from service.engine.protocol import EngineDelta, EngineResult, TokenLogprob
 from service.parsing.confidence import token_spans
 from service.engine.repetition import RepetitionGuard, keep_tokens
-from service.parsing.result import PageGeometry
+from service.parsing.page import PageGeometry
 from service.parsing.spotting import IncrementalSpotting
 from service.parsing.vlm import lines_from_items
 from service.tasks import TASKS

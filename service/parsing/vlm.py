@@ -18,7 +18,7 @@ from service.schema import Line
 from service.engine.protocol import EngineResult, TokenLogprob
 from service.parsing.confidence import document_confidence, span_confidence, token_spans
 from service.parsing.extraction import extract_fields
-from service.parsing.result import PageGeometry, ParsedOutput, box_polygon, clamp_box
+from service.parsing.page import PageGeometry, ParsedOutput, box_polygon, clamp_box
 from service.parsing.spotting import SpottedItem, parse_spotting
 from service.tasks import TASKS
 

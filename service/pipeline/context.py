@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import AsyncIterator, Protocol
 
-from service.admission.auth import ANONYMOUS, Principal
-from service.admission.ratelimit import LocalTokenBucket, Limiter
-from service.admission.redis_state import RedisStateWatch
+from service.admission.auth import Authenticator, OpenAuthenticator, make_authenticator
+from service.admission.ratelimit import LocalTokenBucket, Limiter, make_limiter
+from service.admission.redis_state import RedisStateWatch, make_redis_state_watch
 from service.admission.workpool import WorkPool
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult
 from service.observability.metrics import IngressMetrics
@@ -36,19 +36,6 @@ class EngineClient(Protocol):
     async def unload_adapter(self, name: str) -> None: ...
 
 
-class Authenticator(Protocol):
-    def authenticate(self, headers: Any) -> Principal: ...
-
-
-class OpenAuthenticator:
-    """No key file: everyone is the anonymous admin (development mode)."""
-
-    open_mode = True
-
-    def authenticate(self, headers: Any) -> Principal:
-        return ANONYMOUS
-
-
 @dataclass
 class AppContext:
     settings: Settings
@@ -61,7 +48,6 @@ class AppContext:
     in_flight: int = 0  # HTTP requests admitted and not yet answered (drain waits for 0)
     open_requests: set[asyncio.Task] = field(default_factory=set)  # every HTTP request's task (the drain's cut)
     metrics: IngressMetrics = field(default_factory=IngressMetrics)  # off unless built for a Ray replica
-    extras: dict[str, Any] = field(default_factory=dict)  # optional components (metrics, job store)
     # every image decode and PDF sandbox call, shared fairly between tenants (service/admission/workpool.py)
     work_pool: WorkPool = field(init=False)
 
@@ -84,3 +70,15 @@ class AppContext:
                     info = info.model_copy(update={"image_processor": None})
             self.engine_info = info
         return self.engine_info
+
+
+def build_context(settings: Settings, engine_client: EngineClient) -> AppContext:
+    """AppContext with the admission components the settings ask for."""
+    metrics = IngressMetrics.for_settings(settings)
+    # limiter: Redis buckets (with failover) when redis_url is set, else this replica's share in-process;
+    # Redis failures are counted as `ocr_ratelimit_backend_errors_total`, Redis restarts and state losses as
+    # `ocr_redis_resets_total`
+    return AppContext(settings=settings, engine=engine_client, authenticator=make_authenticator(settings),
+                      limiter=make_limiter(settings, on_backend_error=metrics.limiter_backend_error),
+                      redis_watch=make_redis_state_watch(settings, on_change=metrics.redis_state_changed),
+                      metrics=metrics)

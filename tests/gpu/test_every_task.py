@@ -28,7 +28,8 @@ def gpu_service(tmp_path_factory):
     if shutil.which("nvidia-smi") is None:
         pytest.skip("needs an NVIDIA GPU")
     from loadtest.common import start_service
-    from service.cli.modelkit import write_kit, write_lora_adapter
+    from service.cli.modelkit import write_kit
+    from service.engine.vllm.lora import write_lora_adapter
 
     kit = tmp_path_factory.mktemp("kit")
     write_kit(kit, tiny=False, weights=False)

@@ -259,9 +259,8 @@ class VLLMEngine:
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
 
-        from service.engine.vllm.lora import (config_ranges, kernel_shapes, packed_layer_differences,
-                                                 warmup_prompt_lengths)
-        from service.cli.modelkit import LORA_MODULES, write_lora_adapter
+        from service.engine.vllm.lora import (LORA_MODULES, config_ranges, kernel_shapes, packed_layer_differences,
+                                              warmup_prompt_lengths, write_lora_adapter)
 
         llm = self._require_llm()
         started = time.perf_counter()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.admission.auth import Principal
+from service.http.deps import admin, app_context, principal
 from service.pipeline.context import AppContext
 from service.errors import OCRError, openapi_error_responses
 
@@ -35,13 +37,6 @@ class LoadAdapterBody(BaseModel):
                              "(default: `<adapters_dir>/<name>`).")
 
 
-def require_admin(ctx: AppContext, request: Request):
-    principal = ctx.authenticator.authenticate(request.headers)
-    if principal.role != "admin":
-        raise OCRError("forbidden", "this endpoint needs an admin API key")
-    return principal
-
-
 async def adapter_status(ctx: AppContext) -> list[dict[str, Any]]:
     status = getattr(ctx.engine, "adapter_status", None)
     if status is not None:
@@ -49,36 +44,34 @@ async def adapter_status(ctx: AppContext) -> list[dict[str, Any]]:
     return [{"name": name, "loaded": True} for name in await ctx.engine.list_adapters()]
 
 
-def make_router(ctx: AppContext) -> APIRouter:
-    router = APIRouter(tags=["adapters"])
+router = APIRouter(tags=["adapters"])
 
-    @router.get("/v1/adapters", response_model=AdapterList, summary="LoRA adapters and whether they are loaded",
-                responses=openapi_error_responses(401, 403, 503))
-    async def list_adapters(request: Request):
-        principal = ctx.authenticator.authenticate(request.headers)
-        data = [AdapterInfo(name=item["name"], loaded=item["loaded"],
-                            allowed=principal.may_use_adapter(item["name"])) for item in await adapter_status(ctx)]
-        return AdapterList(data=data)
 
-    @router.post("/v1/adapters/{name}/load", response_model=AdapterList, summary="Load an adapter (admin)",
-                 responses=openapi_error_responses())
-    async def load_adapter(name: str, request: Request):
-        require_admin(ctx, request)
-        raw = await request.body()
-        body = LoadAdapterBody()
-        if raw.strip():
-            try:
-                body = LoadAdapterBody.model_validate_json(raw)
-            except ValidationError as exc:
-                raise OCRError("validation_error", exc.errors()[0].get("msg", "invalid body")) from None
-        await ctx.engine.load_adapter(name, body.path)
-        return AdapterList(data=[AdapterInfo(**item) for item in await adapter_status(ctx)])
+@router.get("/v1/adapters", response_model=AdapterList, summary="LoRA adapters and whether they are loaded",
+            responses=openapi_error_responses(401, 403, 503))
+async def list_adapters(ctx: AppContext = Depends(app_context), caller: Principal = Depends(principal)):
+    data = [AdapterInfo(name=item["name"], loaded=item["loaded"],
+                        allowed=caller.may_use_adapter(item["name"])) for item in await adapter_status(ctx)]
+    return AdapterList(data=data)
 
-    @router.post("/v1/adapters/{name}/unload", response_model=AdapterList, summary="Unload an adapter (admin)",
-                 responses=openapi_error_responses())
-    async def unload_adapter(name: str, request: Request):
-        require_admin(ctx, request)
-        await ctx.engine.unload_adapter(name)
-        return AdapterList(data=[AdapterInfo(**item) for item in await adapter_status(ctx)])
 
-    return router
+@router.post("/v1/adapters/{name}/load", response_model=AdapterList, summary="Load an adapter (admin)",
+             responses=openapi_error_responses())
+async def load_adapter(name: str, request: Request, ctx: AppContext = Depends(app_context),
+                       _: Principal = Depends(admin)):
+    raw = await request.body()
+    body = LoadAdapterBody()
+    if raw.strip():
+        try:
+            body = LoadAdapterBody.model_validate_json(raw)
+        except ValidationError as exc:
+            raise OCRError("validation_error", exc.errors()[0].get("msg", "invalid body")) from None
+    await ctx.engine.load_adapter(name, body.path)
+    return AdapterList(data=[AdapterInfo(**item) for item in await adapter_status(ctx)])
+
+
+@router.post("/v1/adapters/{name}/unload", response_model=AdapterList, summary="Unload an adapter (admin)",
+             responses=openapi_error_responses())
+async def unload_adapter(name: str, ctx: AppContext = Depends(app_context), _: Principal = Depends(admin)):
+    await ctx.engine.unload_adapter(name)
+    return AdapterList(data=[AdapterInfo(**item) for item in await adapter_status(ctx)])

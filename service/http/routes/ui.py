@@ -3,18 +3,19 @@ the text / markdown / JSON result and timings; multi-page jobs fill in page by p
 
 A static page (HTML + vanilla JS + CSS in service/http/static, no build step, nothing fetched from a CDN) served by the
 ingress itself, so it works wherever the API does; it calls the public API (`/v1/ocr`, `/v1/jobs`) with the API key
-typed into the page. `ocr-serve ui` prints (and optionally opens) the URL.
+typed into the page. `ocr-serve ui` (service/cli/ui.py) prints (and optionally opens) the URL.
 """
 
 from __future__ import annotations
 
-import argparse
 from importlib import resources
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.admission.auth import key_from_headers
+from service.http.deps import app_context
+from service.pipeline.context import AppContext
 from service.tasks import TASKS
 
 ASSETS = {  # the only files served: name → media type
@@ -36,59 +37,42 @@ def _asset(name: str) -> bytes:
     return resources.files("service.http").joinpath("static", name).read_bytes()
 
 
-def make_router(ctx) -> APIRouter:
-    router = APIRouter(include_in_schema=False)
-
-    @router.get("/ui")
-    @router.get("/ui/")
-    async def index():
-        return Response(_asset("index.html"), media_type=ASSETS["index.html"], headers=SECURITY_HEADERS)
-
-    @router.get("/ui/config.json")
-    async def config(request: Request):
-        """What the page offers: tasks (and which the running engine supports), job limits, and the adapters the
-        typed key may use. The page loads before a key is typed, so without a key this answers what /readyz and
-        the API docs show anyway (engine kind, base model, tasks) and no adapters: their names are tenants'
-        business. A key that is sent must be valid (401 otherwise, so the page can say so)."""
-        auth_required = not getattr(ctx.authenticator, "open_mode", False)
-        principal = None
-        if not auth_required or key_from_headers(request.headers) is not None:
-            principal = ctx.authenticator.authenticate(request.headers)
-        info = await ctx.get_engine_info()
-        adapters: list[str] = []
-        if principal is not None:
-            try:
-                adapters = [name for name in await ctx.engine.list_adapters() if principal.may_use_adapter(name)]
-            except Exception:  # adapters are optional in the page
-                adapters = []
-        tasks = [{"name": t.name, "description": t.description, "output": t.output,
-                  "supported": t.name in info.supported_tasks} for t in TASKS.values()]
-        return JSONResponse({"engine": info.name, "model": info.model, "tasks": tasks, "adapters": adapters,
-                             "max_pdf_pages": ctx.settings.max_pdf_pages, "auth_required": auth_required,
-                             "authenticated": principal is not None},
-                            headers={"Cache-Control": "no-cache"})
-
-    @router.get("/ui/{name}")
-    async def asset(name: str):
-        if name not in ASSETS:
-            return JSONResponse({"error": {"code": "not_found", "message": "no such UI file"}}, status_code=404)
-        return Response(_asset(name), media_type=ASSETS[name], headers=SECURITY_HEADERS)
-
-    return router
+router = APIRouter(include_in_schema=False)
 
 
-def cmd_ui(args: argparse.Namespace) -> int:
-    url = args.url.rstrip("/") + "/ui"
-    print(f"OCR web UI: {url}  (start the service with `ocr-serve serve` if it is not running)", flush=True)
-    if args.open:
-        import webbrowser
-
-        webbrowser.open(url)
-    return 0
+@router.get("/ui")
+@router.get("/ui/")
+async def index():
+    return Response(_asset("index.html"), media_type=ASSETS["index.html"], headers=SECURITY_HEADERS)
 
 
-def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("ui", help="print (or --open) the URL of the web UI served by a running service")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the service")
-    p.add_argument("--open", action="store_true", help="open it in the default browser")
-    p.set_defaults(func=cmd_ui)
+@router.get("/ui/config.json")
+async def config(request: Request, ctx: AppContext = Depends(app_context)):
+    """What the page offers: tasks (and which the running engine supports), job limits, and the adapters the
+    typed key may use. The page loads before a key is typed, so without a key this answers what /readyz and
+    the API docs show anyway (engine kind, base model, tasks) and no adapters: their names are tenants'
+    business. A key that is sent must be valid (401 otherwise, so the page can say so)."""
+    auth_required = not getattr(ctx.authenticator, "open_mode", False)
+    principal = None
+    if not auth_required or key_from_headers(request.headers) is not None:
+        principal = ctx.authenticator.authenticate(request.headers)
+    info = await ctx.get_engine_info()
+    adapters: list[str] = []
+    if principal is not None:
+        try:
+            adapters = [name for name in await ctx.engine.list_adapters() if principal.may_use_adapter(name)]
+        except Exception:  # adapters are optional in the page
+            adapters = []
+    tasks = [{"name": t.name, "description": t.description, "output": t.output,
+              "supported": t.name in info.supported_tasks} for t in TASKS.values()]
+    return JSONResponse({"engine": info.name, "model": info.model, "tasks": tasks, "adapters": adapters,
+                         "max_pdf_pages": ctx.settings.max_pdf_pages, "auth_required": auth_required,
+                         "authenticated": principal is not None},
+                        headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/ui/{name}")
+async def asset(name: str):
+    if name not in ASSETS:
+        return JSONResponse({"error": {"code": "not_found", "message": "no such UI file"}}, status_code=404)
+    return Response(_asset(name), media_type=ASSETS[name], headers=SECURITY_HEADERS)

@@ -8,52 +8,15 @@ saw, which is the whole (resized) upload, so they map to uploaded pixels as valu
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from service.admission.schemas import DEFAULT_VALIDATION_STEPS
-from service.schema import ImageInfo, Line, OCRResponse, RawOutput, RawToken, Usage
 from service.engine.protocol import EngineLine, EngineResult
 from service.engine.repetition import REPETITION_WARNING
+from service.parsing.page import PageGeometry, ParsedOutput, clamp_box
+from service.parsing.vlm import parse_vlm_output
+from service.schema import ImageInfo, Line, OCRResponse, RawOutput, RawToken, Usage
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PageGeometry:
-    width: int  # uploaded image (after EXIF orientation)
-    height: int
-    engine_width: int  # image sent to the engine
-    engine_height: int
-
-    @property
-    def scale(self) -> float:
-        return self.engine_width / self.width if self.width else 1.0
-
-
-@dataclass
-class ParsedOutput:
-    text: str
-    lines: list[Line] = field(default_factory=list)
-    fields: dict | None = None
-    errors: list[str] | None = None
-    confidence: float | None = None
-    warnings: list[str] = field(default_factory=list)
-
-
-def clamp_box(x1: float, y1: float, x2: float, y2: float, width: int, height: int) -> list[int] | None:
-    """Round and clamp a box to the image; None when it is degenerate (no area left)."""
-    xa, xb = sorted((x1, x2))
-    ya, yb = sorted((y1, y2))
-    box = [max(0, min(width, round(xa))), max(0, min(height, round(ya))),
-           max(0, min(width, round(xb))), max(0, min(height, round(yb)))]
-    if box[2] - box[0] < 1 or box[3] - box[1] < 1:
-        return None
-    return box
-
-
-def box_polygon(box: list[int]) -> list[list[int]]:
-    x1, y1, x2, y2 = box
-    return [[x1, y1], [x2, y1], [x2, y2], [x1, y2]]
 
 
 def lines_from_engine(engine_lines: list[EngineLine], geom: PageGeometry) -> tuple[list[Line], list[str]]:
@@ -85,8 +48,6 @@ def parse_engine_output(task: str, result: EngineResult, geom: PageGeometry, *, 
         doc_conf = sum(confs) / len(confs) if confs else None
         return ParsedOutput(text="\n".join(ln.text for ln in lines), lines=lines, confidence=doc_conf,
                             warnings=warnings)
-    from service.parsing.vlm import parse_vlm_output
-
     return parse_vlm_output(task, result, geom, fields=fields, schema=schema,
                             max_validation_steps=max_validation_steps)
 

@@ -27,6 +27,7 @@ import pydantic_core
 from pydantic import BaseModel, ValidationError
 
 from service.errors import OCRError
+from service.schema import OCRRequest
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -84,3 +85,29 @@ def validation_error(exc: ValidationError) -> OCRError:
     first = exc.errors(include_url=False, include_input=False)[0]
     where = ".".join(str(part) for part in first.get("loc", ())) or "body"
     return OCRError("validation_error", f"{where}: {first.get('msg', 'invalid value')}")
+
+
+def request_from_form_fields(fields: dict[str, Any], max_json_items: int) -> OCRRequest:
+    """Multipart text fields → OCRRequest (`fields` as a JSON list or comma-separated, `schema` as JSON; either
+    bounded like a JSON body)."""
+    fields = dict(fields)
+    if "fields" in fields:
+        raw = fields["fields"].strip()
+        check_json_items(raw.encode(), max_json_items, "the `fields` form field")
+        fields["fields"] = _json_or(raw, [f.strip() for f in raw.split(",") if f.strip()])
+    if "schema" in fields:
+        check_json_items(fields["schema"].encode(), max_json_items, "the `schema` form field")
+        fields["schema"] = _json_or(fields["schema"], None, "schema must be a JSON object")
+    try:
+        return OCRRequest.model_validate(fields)  # lax: form fields are text (`max_tokens=10`, `stream=true`)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _json_or(raw: str, default: Any, error: str | None = None) -> Any:
+    try:
+        return pydantic_core.from_json(raw)  # nesting beyond its limit is a ValueError, never a RecursionError
+    except ValueError:
+        if error:
+            raise OCRError("invalid_request", error) from None
+        return default
