@@ -179,17 +179,18 @@ def service_settings(args: argparse.Namespace, kit: Path, gpu_memory_gib: float 
     """The service's settings: its defaults, but for what a benchmark of random weights needs (module docstring).
     Where the GPU is known, vLLM's memory share is sized to the KV budget: vLLM checks at start that the share is
     free, and engines starting side by side each need only theirs (the KV size itself is fixed in bytes)."""
-    settings: dict[str, Any] = {"engine": "vllm", "model": str(kit), "kv_cache_memory_gb": args.kv_budget_gb,
+    engine_kwargs: dict[str, Any] = {"kv_cache_memory_bytes": int(args.kv_budget_gb * 2**30)}
+    settings: dict[str, Any] = {"engine": "vllm", "model": str(kit), "engine_kwargs": engine_kwargs,
                                 "bench_fixed_output_tokens": True, "rate_limit_enabled": False}
     if args.tiny:
-        settings.update(engine_num_gpus=0, dtype="float32")
+        engine_kwargs["dtype"] = "float32"
+        settings["engine_deployment"] = {"ray_actor_options": {"num_gpus": 0}}
     else:
-        settings["load_format"] = "dummy"
+        engine_kwargs["load_format"] = "dummy"
         if gpu_memory_gib:
             share = (args.kv_budget_gb + ENGINE_OVERHEAD_GIB) / gpu_memory_gib
-            settings["gpu_memory_utilization"] = round(min(0.9, share), 3)
-    if args.engine_arg:
-        settings["vllm_extra_args"] = dict(args.engine_arg)
+            engine_kwargs["gpu_memory_utilization"] = round(min(0.9, share), 3)
+    engine_kwargs.update(dict(args.engine_arg or {}))
     return settings
 
 
@@ -334,7 +335,8 @@ class Bench:
         from service.config import Settings
 
         effective = Settings(**self.settings)  # the defaults the service's engine runs with
-        self.processor_backend, self.torch_threads = effective.image_processor_backend, effective.engine_torch_threads
+        self.processor_backend = effective.engine.vllm.image_processor_backend
+        self.torch_threads = effective.engine.vllm.torch_threads
         self.raw_args = {**raw_engine_args(self.settings), **raw_frontend_args(kit, self.out)}
         self.results.update(service_settings=self.settings, raw_engine_args={k: str(v) for k, v in
                                                                              self.raw_args.items()})

@@ -166,7 +166,7 @@ def test_an_engine_request_holds_exactly_one_whole_image():
     assert np.array_equal(np.asarray(request.pil_image()), request.rgb_array())
 
 
-# --- who decodes a bare PNG's pixels (settings.png_pixel_check) ---------------------------------------------------
+# --- who decodes a bare PNG's pixels (settings.engine.png_pixel_check) ---------------------------------------------------
 
 def test_only_a_bare_rgb8_png_with_right_crcs_may_skip_the_ingress_decode():
     import zlib
@@ -220,12 +220,12 @@ async def test_the_ingress_leaves_a_passed_on_png_undecoded_and_the_engine_refus
     from service.config import Settings
 
     s = Settings()
-    assert s.png_pixel_check == "engine"
+    assert s.engine.png_pixel_check == "engine"
     vllm = EngineInfo(name="vllm", model="m", supported_tasks=["text"], image_transports=["pixels", "png"])
     ctx = AppContext(settings=s, engine=MockEngine())
     upload = png(page(size=(800, 608)))
-    limits = dict(allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels, max_side=s.max_image_side,
-                  max_frames=s.max_frames)
+    limits = dict(allowed_formats=s.limits.allowed_formats, max_pixels=s.limits.max_image_pixels, max_side=s.limits.max_image_side,
+                  max_frames=s.limits.max_frames)
     decoded = decode_image(upload, **limits, defer_pixels=True)
     assert decoded.image is None and (decoded.width, decoded.height) == (800, 608)
     prepared = ocr.prepare_decoded_page(ctx, OCRRequest(task="text"), decoded, vllm, "r")

@@ -87,13 +87,15 @@ def chart_autoscaling_args() -> dict:
     import yaml
 
     args = yaml.safe_load(find(objects, "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert args["latency_target_ms"] and args["max_replicas"] > args["min_replicas"]
+    scaling = args["engine_deployment"]["autoscaling_config"]
+    assert args["latency_target_ms"] and scaling["max_replicas"] > scaling["min_replicas"]
     return {
-        "engine": "mock", "mock_delay_s": 1.0, "engine_num_gpus": 0, "engine_num_cpus": 0.1,
-        "rate_limit_enabled": False,
-        "min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2,
-        "upscale_delay_s": 1.0, "downscale_delay_s": 3.0,
-        "autoscaling_look_back_s": 3.0, "autoscaling_metrics_interval_s": 0.5,
+        "engine": "mock", "mock_delay_s": 1.0, "rate_limit_enabled": False,
+        "engine_deployment": {
+            "ray_actor_options": {"num_gpus": 0, "num_cpus": 0.1},
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 2,
+                                   "upscale_delay_s": 1.0, "downscale_delay_s": 3.0, "look_back_period_s": 3.0,
+                                   "metrics_interval_s": 0.5}},
         "latency_downscale_ratio": args["latency_downscale_ratio"],
     }
 

@@ -120,16 +120,24 @@ def test_schema_accepts_ci_values(path):
 
 
 def test_settings_schema_covers_every_setting():
-    """Every Settings field is either settable under `settings` or set by the chart (never silently unsettable)."""
+    """Every setting (by its flat name) is either settable under `settings` or set by the chart (never silently
+    unsettable); the test switches are never offered; older names are offered, marked deprecated, except those the
+    chart sets itself from `autoscaling` and `engine`."""
     sys.path.insert(0, str(REPO / "deploy/helm"))
     from sync_chart import CHART_MANAGED_SETTINGS
 
-    from service.config import Settings
+    from service.config import LEGACY_MERGED, LEGACY_NAMES, flat_names
 
     schema = json.loads((CHART_DIR / "values.schema.json").read_text())
-    settable = set(schema["properties"]["settings"]["properties"])
-    assert settable | CHART_MANAGED_SETTINGS == set(Settings.model_fields)
+    properties = schema["properties"]["settings"]["properties"]
+    settable = {name for name, spec in properties.items() if not spec.get("deprecated")}
+    product = {flat for flat, (path, _) in flat_names().items() if path[0] != "testing"}
+    assert settable | CHART_MANAGED_SETTINGS == product
     assert not settable & CHART_MANAGED_SETTINGS
+    older = {name for name, spec in properties.items() if spec.get("deprecated")}
+    assert older <= set(LEGACY_NAMES) | set(LEGACY_MERGED)
+    assert {"dtype", "kv_cache_memory_gb", "max_ongoing_requests", "vllm_extra_args"} <= older
+    assert not older & {"min_replicas", "max_replicas", "engine_num_gpus", "engine_num_cpus"}
 
 
 def _serve_config(objects: list[dict]) -> dict:
@@ -200,7 +208,7 @@ def test_serve_config_builds_the_app(chart_renders, scenario, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"engine": {"replicasPerGpu": 2}}, "kv_cache_memory_gb"),
+    ({"engine": {"replicasPerGpu": 2}}, "kv_cache_memory_bytes"),
     ({"engine": {"replicasPerGpu": 2, "gpusPerReplica": 2}, "settings": {"kv_cache_memory_gb": 8}}, "gpusPerReplica=1"),
     ({"engine": {"replicasPerGpu": 2, "gpusPerReplica": 0}, "settings": {"engine": "embedded"}}, "engine=vllm"),
 ])

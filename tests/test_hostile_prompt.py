@@ -257,7 +257,7 @@ async def test_oversized_instruction_is_refused_before_any_work_on_it(app_client
 
 async def test_instruction_at_the_cap_is_sanitised_off_the_loop(app_client):
     client, engine, ctx = app_client
-    cap = ctx.settings.max_text_field_chars
+    cap = ctx.settings.limits.max_text_field_chars
     for text in (nested_halves(cap // 2), nested_halves(cap // 2, "｜"), "<" * (cap // 4) + "|" * (cap // 2) + ">" *
                  (cap // 4), "Read " + "<｜<｜hy_User｜>｜>" * (cap // 20)):
         resp, lag = await loop_lag_during(client.post("/v1/chat/completions", json=chat_body(text[:cap])))
@@ -271,7 +271,7 @@ async def test_instruction_at_the_cap_is_sanitised_off_the_loop(app_client):
 
 async def test_extraction_fields_of_nested_fragments_are_sanitised(app_client):
     client, engine, ctx = app_client
-    cap, count = ctx.settings.max_text_field_chars, ctx.settings.max_fields
+    cap, count = ctx.settings.limits.max_text_field_chars, ctx.settings.limits.max_fields
     fields = [f"f{i}" + nested_halves(cap // 2 - 2) for i in range(count)]
     resp, lag = await loop_lag_during(client.post("/v1/ocr", json={"image": IMAGE, "task": "extract",
                                                                    "fields": fields}))

@@ -1,5 +1,5 @@
 """The service runs HunyuanOCR's HF image processor with the torchvision backend where vLLM pins PIL
-(settings.image_processor_backend). Both backends give the same patches: exactly for a page already at the
+(settings.engine.vllm.image_processor_backend). Both backends give the same patches: exactly for a page already at the
 processor's size, within interpolation rounding for a page they resize. And the page the engine hands the processor
 (a numpy array, decoded from the PNG or wrapping the ingress's pixels) gives each backend exactly what the decoded PIL
 image gives it."""

@@ -250,13 +250,15 @@ def test_the_service_runs_with_its_defaults_but_for_what_random_weights_need(tmp
     """Only the kit, dummy weights, the KV budget in bytes (with vLLM's start check sized to it), fixed output
     lengths and no rate limit: everything else is the service's default, and the raw server is built from it."""
     settings = bench_gpu.service_settings(gpu_args(), tmp_path, H100["gpu_memory_gib"])
-    assert settings == {"engine": "vllm", "model": str(tmp_path), "kv_cache_memory_gb": 24.0,
-                        "bench_fixed_output_tokens": True, "rate_limit_enabled": False, "load_format": "dummy",
-                        "gpu_memory_utilization": round(30 / 79.2, 3)}
+    assert settings == {"engine": "vllm", "model": str(tmp_path), "bench_fixed_output_tokens": True,
+                        "rate_limit_enabled": False,
+                        "engine_kwargs": {"kv_cache_memory_bytes": 24 * 2**30, "load_format": "dummy",
+                                          "gpu_memory_utilization": round(30 / 79.2, 3)}}
     tiny = bench_gpu.service_settings(gpu_args("--tiny", "--engine-arg", "max_num_batched_tokens=4096"), tmp_path,
                                       None)
-    assert tiny["engine_num_gpus"] == 0 and tiny["kv_cache_memory_gb"] == 1.0 and "load_format" not in tiny
-    assert tiny["vllm_extra_args"] == {"max_num_batched_tokens": 4096}
+    assert tiny["engine_deployment"] == {"ray_actor_options": {"num_gpus": 0}}
+    assert tiny["engine_kwargs"] == {"kv_cache_memory_bytes": 2**30, "dtype": "float32",
+                                     "max_num_batched_tokens": 4096}
     from service.config import Settings
 
     Settings(**settings)  # every key is a real setting

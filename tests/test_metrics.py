@@ -276,7 +276,7 @@ async def test_ingress_records_requests_pages_and_errors():
     waiting = [c[2] for c in recorder.of("ocr_ingress_waiting_requests")]
     assert waiting[-1] == 0 and max(waiting) == 1
     assert ("ocr_autoscaling_config", "set", 8.0, {"setting": "target_ongoing_requests"}) in recorder.calls
-    assert ("ocr_latency_slo_seconds", "set", settings.latency_slo_s, {}) in recorder.calls
+    assert ("ocr_latency_slo_seconds", "set", settings.observability.latency_slo_s, {}) in recorder.calls
 
 
 def test_backend_error_hook_and_refresh():

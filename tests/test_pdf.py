@@ -43,7 +43,7 @@ def test_dpi_follows_the_image_budget_and_the_cap():
     assert width * height <= budget * 1.001
     from service.admission.budget import PROMPT_OVERHEAD_TOKENS, image_tokens_for
 
-    tokens = image_tokens_for(round(height), round(width), settings.min_image_pixels, settings.max_engine_image_pixels)
+    tokens = image_tokens_for(round(height), round(width), settings.engine.min_image_pixels, settings.engine.max_engine_image_pixels)
     assert tokens + PROMPT_OVERHEAD_TOKENS + 1024 <= 4096 + 64  # within rounding of the 32-px grid
 
 

@@ -1,4 +1,4 @@
-"""The ingress resizes pages as the engine's image processor would (settings.engine_image_presize).
+"""The ingress resizes pages as the engine's image processor would (settings.engine.presize).
 
 - `presize` gives HunyuanOCR's HF image processor exactly the values it computes from the unresized page (max |Δ| 0,
   same patch grid), with both processor backends, for pages it upscales, downscales and rounds to multiples of 32;

@@ -173,12 +173,12 @@ async def test_image_token_cost(redis_server):
     settings = dict(engine="mock", redis_url=redis_server.url, rate_limit_cost="image_tokens",
                     default_rate=0.01, default_burst=100_000)
     s = Settings(**settings)
-    plan = plan_for_vlm(64, 32, max_model_len=s.max_model_len, max_tokens=s.max_output_tokens,
-                        min_pixels=s.min_image_pixels, max_pixels=s.max_engine_image_pixels,
+    plan = plan_for_vlm(64, 32, max_model_len=s.engine.max_model_len, max_tokens=s.engine.max_output_tokens,
+                        min_pixels=s.engine.min_image_pixels, max_pixels=s.engine.max_engine_image_pixels,
                         prompt_overhead=PROMPT_OVERHEAD_TOKENS)
     client, ctx = app_client(MockEngine(), **settings)
     async with client:
-        first = await client.post("/v1/ocr", json={**BODY, "max_tokens": s.max_output_tokens})
+        first = await client.post("/v1/ocr", json={**BODY, "max_tokens": s.engine.max_output_tokens})
     await ctx.limiter.close()
     assert first.status_code == 200, first.text
     assert plan.image_tokens > 1

@@ -25,10 +25,11 @@ def built_deployments(settings: Settings) -> dict:
 
 
 def test_colocated_app_is_one_deployment_with_the_engines_replicas_gpu_and_autoscaling():
-    settings = Settings(engine="mock", engine_num_gpus=1, serve_topology="colocated", min_replicas=1,
-                        max_replicas=4, max_ongoing_requests=48, max_queued_requests=200, engine_num_cpus=2,
-                        ingress_num_cpus=0.5, latency_target_ms=5000, ingress_replicas=3)
-    deployments = built_deployments(settings)
+    options = dict(engine="mock", latency_target_ms=5000, engine_deployment={
+        "ray_actor_options": {"num_gpus": 1, "num_cpus": 2}, "autoscaling_config": {"min_replicas": 1, "max_replicas": 4},
+        "max_ongoing_requests": 48, "max_queued_requests": 200},
+        ingress_deployment={"num_replicas": 3, "ray_actor_options": {"num_cpus": 0.5}})
+    deployments = built_deployments(Settings(serve_topology="colocated", **options))
     assert set(deployments) == {COLOCATED_DEPLOYMENT}  # no ingress replicas, no second deployment
     colocated = deployments[COLOCATED_DEPLOYMENT]
     assert colocated.ray_actor_options["num_gpus"] == 1
@@ -41,7 +42,7 @@ def test_colocated_app_is_one_deployment_with_the_engines_replicas_gpu_and_autos
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
     assert autoscaling.policy.policy_kwargs["latency_target_ms"] == 5000
     # the split app, for comparison: two deployments, the engine's limits are Serve's
-    split = built_deployments(settings.model_copy(update={"serve_topology": "split"}))
+    split = built_deployments(Settings(serve_topology="split", **options))
     assert set(split) == {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
     assert split[ENGINE_DEPLOYMENT]._deployment_config.max_ongoing_requests == 48
     assert split[ENGINE_DEPLOYMENT]._deployment_config.max_queued_requests == 200
@@ -61,14 +62,14 @@ def test_every_deployment_gets_the_shutdown_timeout_and_wait_loop():
     20 s default). The wait loop is how often a stopping replica looks for in-flight requests; each stop waits at
     least one period, and Serve stops the ingress before the engine (with Serve's 2 s, every shutdown took 4 s
     longer, in the CLI, the tests and on downscale)."""
-    settings = Settings(engine="mock", graceful_shutdown_timeout_s=45, graceful_shutdown_wait_loop_s=0.5)
     for topology in ("split", "colocated"):
-        deployments = built_deployments(settings.model_copy(update={"serve_topology": topology}))
+        deployments = built_deployments(Settings(engine="mock", graceful_shutdown_timeout_s=45,
+                                                 graceful_shutdown_wait_loop_s=0.5, serve_topology=topology))
         assert len(deployments) == (2 if topology == "split" else 1)
         for name, deployment in deployments.items():
             config = deployment._deployment_config
             assert (config.graceful_shutdown_timeout_s, config.graceful_shutdown_wait_loop_s) == (45, 0.5), name
-    assert Settings().graceful_shutdown_wait_loop_s == 0.25
+    assert Settings().serve.graceful_shutdown_wait_loop_s == 0.25
 
 
 async def _hold(gate: EngineGate, entered: list[int], release: asyncio.Event, i: int) -> int:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from service.config import Settings
+from service.config import LEGACY_NAMES, Settings, _leaves, env_problems
 
 
 def test_defaults_are_the_laptop_setup(monkeypatch):
@@ -18,26 +18,90 @@ def test_defaults_are_the_laptop_setup(monkeypatch):
         if key.startswith("OCR_"):
             monkeypatch.delenv(key)
     s = Settings()
-    assert s.engine == "embedded"
-    assert s.redis_url is None and s.api_keys_file is None
-    assert s.resolved_engine_num_gpus == 0
-    assert s.enable_prefix_caching is False
+    assert s.engine.kind == "embedded"
+    assert s.redis.url is None and s.auth.api_keys_file is None
+    assert s.engine_deployment["ray_actor_options"]["num_gpus"] == 0
+    assert s.engine.vllm.kwargs(on_cpu=False)["enable_prefix_caching"] is False
 
 
-def test_every_field_has_a_description():
-    missing = [name for name, f in Settings.model_fields.items() if not f.description]
+def test_every_setting_has_a_description_and_one_flat_name():
+    leaves = list(_leaves(Settings))
+    missing = [flat for flat, _, info in leaves if not info.description]
     assert missing == []
+    flat = [name for name, _, _ in leaves]
+    assert len(flat) == len(set(flat)), "two settings share a flat name"
+    assert not set(flat) & set(LEGACY_NAMES), "an older name shadows a setting"
 
 
 def test_env_prefix_and_types(monkeypatch, tmp_path):
     monkeypatch.setenv("OCR_PORT", "9001")
     monkeypatch.setenv("OCR_ENGINE", "vllm")
     monkeypatch.setenv("OCR_MODEL", str(tmp_path))
-    monkeypatch.setenv("OCR_VLLM_EXTRA_ARGS", '{"max_num_batched_tokens": 8192}')
+    monkeypatch.setenv("OCR_ENGINE_KWARGS", '{"max_num_batched_tokens": 8192}')
+    monkeypatch.setenv("OCR_ALLOWED_FORMATS", '["png", "jpeg"]')
     s = Settings()
-    assert s.port == 9001 and s.engine == "vllm"
-    assert s.resolved_engine_num_gpus == 1
-    assert s.vllm_extra_args == {"max_num_batched_tokens": 8192}
+    assert s.server.port == 9001 and s.engine.kind == "vllm"
+    assert s.engine_deployment["ray_actor_options"]["num_gpus"] == 1
+    assert s.engine.vllm.engine_kwargs == {"max_num_batched_tokens": 8192}
+    assert s.limits.allowed_formats == ["PNG", "JPEG"]
+
+
+def test_nested_names_and_flat_names_are_one_setting(monkeypatch):
+    monkeypatch.setenv("OCR_LIMITS__MAX_BODY_BYTES", "4096")
+    monkeypatch.setenv("OCR_RATE_LIMIT__ENABLED", "false")
+    s = Settings(max_fields=3)
+    assert s.limits.max_body_bytes == 4096 and s.rate_limit.enabled is False and s.limits.max_fields == 3
+    assert Settings(limits={"max_body_bytes": 2048}).limits.max_body_bytes == 2048
+    # explicit values (CLI flags) win over the environment, also for the engine's kind (a flat name that is a section)
+    monkeypatch.setenv("OCR_ENGINE", "mock")
+    monkeypatch.setenv("OCR_EMBEDDED_THREADS", "2")
+    s = Settings(engine="embedded")
+    assert s.engine.kind == "embedded" and s.engine.embedded.threads == 2
+    # what replicas get: the nested dump validates back to the same settings
+    assert Settings.model_validate(s.model_dump()) == s
+
+
+def test_older_names_set_what_replaced_them(monkeypatch):
+    monkeypatch.setenv("OCR_DTYPE", "bfloat16")
+    monkeypatch.setenv("OCR_VLLM_EXTRA_ARGS", '{"seed": 3}')
+    s = Settings(kv_cache_memory_gb=1.5, min_replicas=1, max_replicas=4, engine_num_cpus=2, ingress_replicas=2,
+                 max_ongoing_requests=48)
+    assert s.engine.vllm.engine_kwargs == {"dtype": "bfloat16", "seed": 3, "kv_cache_memory_bytes": int(1.5 * 2**30)}
+    options = s.engine_deployment
+    assert options["autoscaling_config"]["max_replicas"] == 4 and options["max_ongoing_requests"] == 48
+    assert options["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 0.0}
+    assert s.serve.ingress_options()["num_replicas"] == 2
+
+
+def test_equal_replica_bounds_are_a_fixed_count():
+    assert Settings(min_replicas=2, max_replicas=2).engine_deployment["num_replicas"] == 2
+    assert "autoscaling_config" not in Settings(engine_deployment={"num_replicas": 3}).engine_deployment
+
+
+def test_serve_options_are_checked_by_serve():
+    with pytest.raises(ValidationError, match="unknown or service-managed"):
+        Settings(engine_deployment={"max_ongoing_request": 3})
+    with pytest.raises(ValidationError, match="unknown or service-managed"):
+        Settings(engine_deployment={"autoscaling_config": {"max_replica": 3}})
+    with pytest.raises(ValidationError, match="ray_actor_options"):
+        Settings(engine_deployment={"ray_actor_options": {"gpus": 1}})
+    with pytest.raises(ValidationError, match="greater than 0"):
+        Settings(engine_deployment={"max_ongoing_requests": 0})
+    with pytest.raises(ValidationError, match="service-managed"):
+        Settings(ingress_deployment={"graceful_shutdown_timeout_s": 5})  # a setting of its own
+    options = Settings(engine_deployment={"max_replicas_per_node": 1}).engine_deployment
+    assert options["max_replicas_per_node"] == 1 and options["max_ongoing_requests"] == 32
+
+
+def test_engine_kwargs_may_not_set_what_the_service_sets():
+    with pytest.raises(ValidationError, match="max_model_len"):
+        Settings(engine_kwargs={"max_model_len": 4096})
+
+
+def test_unknown_and_older_variables_are_reported():
+    problems = env_problems({"OCR_MAX_BODDY_BYTES": "1", "OCR_DTYPE": "auto", "OCR_PORT": "1", "PATH": "/bin"})
+    assert problems == ["OCR_MAX_BODDY_BYTES is not a setting (did you mean OCR_MAX_BODY_BYTES?)",
+                        "OCR_DTYPE is an older name: it sets engine.vllm.engine_kwargs.dtype (docs/CONFIG.md)"]
 
 
 @pytest.mark.parametrize("env, fragment", [
@@ -66,12 +130,23 @@ def test_config_command_masks_secrets():
                          check=True).stdout
     assert "hunter2-secret" not in out
     shown = json.loads(out)
-    assert shown["port"] == 8111
-    assert shown["redis_url"] == "**********"
+    assert shown["server"]["port"] == 8111
+    assert shown["redis"]["url"] == "**********"
 
 
 def test_config_command_reports_invalid_settings():
-    env = {**os.environ, "OCR_MAX_BODY_BYTES": "12"}
+    env = {**os.environ, "OCR_MAX_BODY_BYTES": "12", "OCR_MAX_FEILDS": "3"}
     proc = subprocess.run([sys.executable, "-m", "service.cli", "config"], env=env, capture_output=True, text=True)
     assert proc.returncode == 2
-    assert "OCR_MAX_BODY_BYTES" in proc.stderr
+    assert "OCR_MAX_BODY_BYTES: Input should be greater than or equal to 1024" in proc.stderr
+    assert "warning: OCR_MAX_FEILDS is not a setting (did you mean OCR_MAX_FIELDS?)" in proc.stderr
+
+
+def test_config_reference_is_current():
+    """docs/CONFIG.md is `ocr-serve config --markdown`: regenerate it when a setting changes."""
+    from pathlib import Path
+
+    from service.cli.config import reference_markdown
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md"
+    assert doc.read_text() == reference_markdown(), "stale docs/CONFIG.md: ocr-serve config --markdown > docs/CONFIG.md"

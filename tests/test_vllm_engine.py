@@ -267,7 +267,7 @@ def engine_processes_report(deployment: str = ENGINE_DEPLOYMENT) -> str:
 
 
 def test_engine_core_gets_the_configured_torch_threads(vllm_url, vllm_settings):
-    """settings.engine_torch_threads reaches the EngineCore process as OMP_NUM_THREADS (the session sets 2, so
+    """settings.engine.vllm.torch_threads reaches the EngineCore process as OMP_NUM_THREADS (the session sets 2, so
     Ray's own default for a one-CPU replica, 1, would not pass)."""
     import psutil
 

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from service.engine import vllm_plugin  # noqa: E402
+from service.engine.vllm import plugin as vllm_plugin  # noqa: E402
 from tests.fixtures.hunyuan_tower import Tower  # noqa: E402
 from tests.fixtures.vllm import fake_native_hunyuan  # noqa: E402
 

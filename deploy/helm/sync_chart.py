@@ -2,8 +2,9 @@
 
 1. Alert rules and Grafana dashboards: deploy/grafana/ is canonical (the metrics work owns it); copies live in
    deploy/helm/ocr-service/files/grafana/ for `.Files` (PrometheusRule, dashboard ConfigMaps).
-2. `values.schema.json` → `properties.settings`: generated from service/config.py, so `helm install` rejects a
-   misspelled or mistyped setting before Serve ever sees it. Settings the chart sets itself are left out.
+2. `values.schema.json` → `properties.settings`: generated from service/config.py (every setting by its flat name,
+   older names marked deprecated), so `helm install` rejects a misspelled or mistyped setting before Serve ever sees
+   it. Settings the chart sets itself are left out; `testing` is never offered.
 
     python deploy/helm/sync_chart.py           # rewrite the copies and the schema
     python deploy/helm/sync_chart.py --check   # exit 1 and list what is stale (tests/test_helm_chart.py runs this)
@@ -21,13 +22,10 @@ CHART = REPO / "deploy" / "helm" / "ocr-service"
 GRAFANA = REPO / "deploy" / "grafana"
 SCHEMA = CHART / "values.schema.json"
 
-# Settings the chart derives from its own values (autoscaling.*, engine.*, model, adapters, apiKeys, redis).
-CHART_MANAGED_SETTINGS = frozenset({
-    "host", "port", "model", "adapters_dir", "api_keys_file", "redis_url",
-    "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests", "upscale_delay_s",
-    "downscale_delay_s", "autoscaling_look_back_s", "autoscaling_metrics_interval_s", "latency_target_ms",
-    "latency_downscale_ratio", "engine_num_gpus", "engine_num_cpus",
-})
+# Settings the chart derives from its own values (model, adapters, apiKeys, redis, autoscaling.latency*); the engine
+# deployment's replicas and resources come from `autoscaling` and `engine` (merged into `engine_deployment`)
+CHART_MANAGED_SETTINGS = frozenset({"host", "port", "model", "adapters_dir", "api_keys_file", "redis_url",
+                                    "latency_target_ms", "latency_downscale_ratio"})
 
 
 def grafana_copies() -> dict[Path, bytes]:
@@ -52,16 +50,53 @@ def _clean(node):
 
 
 def settings_schema() -> dict:
+    """Every setting by its flat name with its field's JSON Schema, and the older names (deprecated)."""
     sys.path.insert(0, str(REPO))
-    from service.config import Settings
+    from service.config import LEGACY_MERGED, LEGACY_NAMES, Settings, flat_names
 
-    props = Settings.model_json_schema()["properties"]
+    full = Settings.model_json_schema(by_alias=True)
+    defs = full.get("$defs", {})
+
+    def section_schema(path: tuple[str, ...]) -> dict:
+        node = full
+        for key in path:
+            prop = node["properties"][key]
+            ref = prop.get("$ref") or next((item["$ref"] for item in prop.get("allOf", []) if "$ref" in item), None)
+            node = defs[ref.rsplit("/", 1)[1]]
+        return node
+
+    props: dict = {}
+    for flat, (path, info) in flat_names().items():
+        if path[0] == "testing" or flat in CHART_MANAGED_SETTINGS:
+            continue
+        leaf = section_schema(path[:-1])["properties"][info.alias or path[-1]]
+        props[flat] = _inline(leaf, defs)
+    for name, (path, _, schema) in LEGACY_NAMES.items():
+        if path[:3] == ("serve", "engine_deployment", "autoscaling_config") or path[-1] in ("num_gpus", "num_cpus") \
+                and path[1] == "engine_deployment":
+            continue  # the chart sets these from `autoscaling` and `engine`
+        props[name] = {**schema, "deprecated": True,
+                       "description": f"Older name of `{'.'.join(path)}` (docs/CONFIG.md)."}
+    for name, path in LEGACY_MERGED.items():
+        props[name] = {"type": "object", "deprecated": True,
+                       "description": f"Older name: merged into `{'.'.join(path)}` (docs/CONFIG.md)."}
     return {
         "type": "object",
-        "description": "Service settings (service/config.py), passed as the Serve application's args.",
+        "description": "Service settings by flat name (docs/CONFIG.md), passed as the Serve application's args.",
         "additionalProperties": False,
-        "properties": {name: _clean(spec) for name, spec in props.items() if name not in CHART_MANAGED_SETTINGS},
+        "properties": {name: _clean(spec) for name, spec in props.items()},
     }
+
+
+def _inline(node, defs: dict):
+    """A field's schema with its `$ref`s to leaf types (enums, SecretStr) replaced by their definitions."""
+    if isinstance(node, dict):
+        if "$ref" in node and len(node) == 1:
+            return _inline(defs[node["$ref"].rsplit("/", 1)[1]], defs)
+        return {k: _inline(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
 
 
 def wanted_schema() -> str:

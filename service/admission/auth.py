@@ -244,8 +244,8 @@ class KeyFileAuthenticator:
 
 def make_authenticator(settings):
     """The authenticator the settings ask for; without a key file the open (development) one, announced loudly."""
-    if settings.api_keys_file is not None:
-        return KeyFileAuthenticator(settings.api_keys_file, reload_interval_s=settings.api_keys_reload_interval_s)
+    if settings.auth.api_keys_file is not None:
+        return KeyFileAuthenticator(settings.auth.api_keys_file, reload_interval_s=settings.auth.api_keys_reload_interval_s)
     announce_open_service()
     return OpenAuthenticator()
 

@@ -16,8 +16,8 @@ from service.config import Settings
 def check_request_limits(req: OCRRequest, settings: Settings) -> None:
     """Raise a 4xx for field lists or field names beyond the configured limits."""
     if req.fields is not None:
-        if len(req.fields) > settings.max_fields:
-            raise OCRError("validation_error", f"fields: at most {settings.max_fields} fields")
-        if any(len(name) > settings.max_text_field_chars for name in req.fields):
-            raise OCRError("validation_error", f"fields: a field name is longer than {settings.max_text_field_chars}"
+        if len(req.fields) > settings.limits.max_fields:
+            raise OCRError("validation_error", f"fields: at most {settings.limits.max_fields} fields")
+        if any(len(name) > settings.limits.max_text_field_chars for name in req.fields):
+            raise OCRError("validation_error", f"fields: a field name is longer than {settings.limits.max_text_field_chars}"
                            " characters")

@@ -149,10 +149,10 @@ def page_pixel_budget(settings, engine_name: str, max_tokens: int | None = None)
     if engine_name == "embedded":
         budget = EMBEDDED_MAX_SIDE * EMBEDDED_MAX_SIDE
     else:
-        tokens = min(max_tokens or settings.max_output_tokens, settings.max_output_tokens)
-        room = max(1, settings.max_model_len - PROMPT_OVERHEAD_TOKENS - tokens)
-        budget = min(settings.max_engine_image_pixels, room * FACTOR * FACTOR)
-    return max(1024, min(budget, settings.max_image_pixels))
+        tokens = min(max_tokens or settings.engine.max_output_tokens, settings.engine.max_output_tokens)
+        room = max(1, settings.engine.max_model_len - PROMPT_OVERHEAD_TOKENS - tokens)
+        budget = min(settings.engine.max_engine_image_pixels, room * FACTOR * FACTOR)
+    return max(1024, min(budget, settings.limits.max_image_pixels))
 
 
 # --- parent side ----------------------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class DocumentBudget:
 
     @classmethod
     def for_settings(cls, settings) -> "DocumentBudget":
-        return cls(cpu_s=settings.pdf_document_cpu_s, wait_s=settings.pdf_document_timeout_s)
+        return cls(cpu_s=settings.pdf.document_cpu_s, wait_s=settings.pdf.document_timeout_s)
 
     def exhausted(self) -> OCRError | None:
         if self.cpu_s <= 0:
@@ -316,7 +316,7 @@ class PdfSession:
 
     def __init__(self, data: bytes, settings, *, pages: str | None = None, single_page: bool = False,
                  budget: DocumentBudget | None = None):
-        check_pdf_bytes(data, settings.max_pdf_bytes)
+        check_pdf_bytes(data, settings.jobs.max_bytes)
         self._data = data
         self._settings = settings
         self._pages_spec = pages
@@ -335,8 +335,8 @@ class PdfSession:
             raise spent
         numbers = [p.number for p in self.info.pages] if self.info else None
         request = {"pages": self._pages_spec, "numbers": numbers, "single_page": self._single_page,
-                   "memory_mb": s.pdf_render_memory_mb, "max_pages": s.max_pdf_pages}
-        worker = self._worker = _Worker(request, self._data, s.pdf_render_timeout_s, self.budget)
+                   "memory_mb": s.pdf.render_memory_mb, "max_pages": s.jobs.max_pages}
+        worker = self._worker = _Worker(request, self._data, s.pdf.render_timeout_s, self.budget)
         if self._stopped:  # stop() ran while the worker started
             worker.close()
             raise OCRError("invalid_pdf", "the document's processing was stopped")
@@ -378,7 +378,7 @@ class PdfSession:
         s = self._settings
         try:
             header, payload = self._command({"op": "render", "number": number, "max_pixels": max_pixels,
-                                             "max_side": s.max_image_side, "max_dpi": s.max_pdf_dpi})
+                                             "max_side": s.limits.max_image_side, "max_dpi": s.pdf.max_dpi})
         except OCRError as exc:
             return RenderedPage(number=number, error=exc)
         if header.get("number") != number:  # protocol violation: treat like a crash
@@ -410,14 +410,14 @@ class PdfSession:
 
 def rendered_size(page: PdfPage, settings, max_pixels: int) -> tuple[int, int]:
     """Pixels the page would be rendered at (the DPI rule of the worker)."""
-    dpi = choose_dpi(page.width_pt, page.height_pt, max_dpi=settings.max_pdf_dpi, max_pixels=max_pixels,
-                     max_side=settings.max_image_side)
+    dpi = choose_dpi(page.width_pt, page.height_pt, max_dpi=settings.pdf.max_dpi, max_pixels=max_pixels,
+                     max_side=settings.limits.max_image_side)
     return max(1, round(page.width_pt * dpi / POINTS_PER_INCH)), max(1, round(page.height_pt * dpi / POINTS_PER_INCH))
 
 
 def single_page_pixel_budget(settings) -> int:
     """What a single-page PDF on `POST /v1/ocr` is rendered to."""
-    return min(settings.max_engine_image_pixels, settings.max_image_pixels)
+    return min(settings.engine.max_engine_image_pixels, settings.limits.max_image_pixels)
 
 
 # --- worker side (runs in the sandboxed subprocess) -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The engine's image-processor resize, done in the ingress (settings.engine_image_presize).
+"""The engine's image-processor resize, done in the ingress (settings.engine.presize).
 
 HunyuanOCR's HF image processor resizes every page to sides in multiples of 32 (`smart_resize`) before it
 normalises and patchifies it. In vLLM that runs in the engine replica's frontend process, one per GPU, next to

@@ -204,8 +204,8 @@ def prompt_task_type(req: OCRRequest, settings: Settings) -> str | None:
     target = sanitize_user_text(req.target_language or "en", 64)
     source = sanitize_user_text(req.language or "", 64)
     task_type = hunyuan_task_for(task, target_language=target, source_language=source,
-                                 spotting_format=settings.spotting_format)
-    if task_type in _ONLY_15 or (task_type and settings.prompt_set == "1.5"):
+                                 spotting_format=settings.parsing.spotting_format)
+    if task_type in _ONLY_15 or (task_type and settings.parsing.prompt_set == "1.5"):
         return task_type
     return None
 
@@ -216,7 +216,7 @@ def build_prompt(req: OCRRequest, settings: Settings) -> str:
     if task_type is not None:
         return HUNYUAN_15_PROMPTS[task_type]
     task = TASKS[req.task]
-    limit = settings.max_text_field_chars
+    limit = settings.limits.max_text_field_chars
     if req.task == "extract":
         names = [sanitize_user_text(n, limit) for n in field_names(req)]
         prompt = task.prompt.format(fields=format_field_list([n for n in names if n]))
@@ -234,6 +234,6 @@ def build_prompt(req: OCRRequest, settings: Settings) -> str:
 
 def guided_json_for(req: OCRRequest, settings: Settings) -> dict | None:
     """JSON Schema for structured output on the first attempt (spotting in JSON mode only; extraction retries later)."""
-    if req.task == "spotting" and settings.spotting_guided_json and prompt_task_type(req, settings) == "spotting_json":
+    if req.task == "spotting" and settings.parsing.spotting_guided_json and prompt_task_type(req, settings) == "spotting_json":
         return SPOTTING_LINES_SCHEMA
     return None

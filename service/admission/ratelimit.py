@@ -292,13 +292,13 @@ class FailoverLimiter:
 def make_limiter(settings, on_backend_error: BackendErrorHook | None = None) -> Limiter:
     """The limiter the settings ask for: Redis with failover when `redis_url` is set, else in-process buckets
     holding this replica's share."""
-    replicas = settings.ingress_replicas
-    if settings.redis_url is None:
+    replicas = settings.serve.ingress_options()["num_replicas"]
+    if settings.redis.url is None:
         return LocalTokenBucket(replicas=replicas)
-    primary = RedisTokenBucket.from_url(settings.redis_url.get_secret_value(),
-                                        timeout_s=settings.redis_timeout_ms / 1000,
-                                        key_prefix=settings.rate_limit_key_prefix)
-    return FailoverLimiter(primary, fail_mode=settings.rate_limit_fail_mode, replicas=replicas,
-                           probe_interval_s=settings.rate_limit_probe_interval_s,
-                           log_interval_s=settings.rate_limit_backend_log_interval_s,
+    primary = RedisTokenBucket.from_url(settings.redis.url.get_secret_value(),
+                                        timeout_s=settings.rate_limit.redis_timeout_ms / 1000,
+                                        key_prefix=settings.rate_limit.key_prefix)
+    return FailoverLimiter(primary, fail_mode=settings.rate_limit.fail_mode, replicas=replicas,
+                           probe_interval_s=settings.rate_limit.probe_interval_s,
+                           log_interval_s=settings.rate_limit.backend_log_interval_s,
                            on_backend_error=on_backend_error)

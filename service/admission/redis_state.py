@@ -108,9 +108,9 @@ class RedisStateWatch:
 def make_redis_state_watch(settings, on_change: StateChangeHook | None = None) -> RedisStateWatch | None:
     """The watch of the Redis the settings name (None without Redis: in-process state cannot be lost apart from
     the process)."""
-    if settings.redis_url is None:
+    if settings.redis.url is None:
         return None
     from service.admission.ratelimit import make_redis_client
 
-    return RedisStateWatch(make_redis_client(settings.redis_url.get_secret_value(), CHECK_TIMEOUT_S),
-                           interval_s=settings.redis_state_check_interval_s, on_change=on_change)
+    return RedisStateWatch(make_redis_client(settings.redis.url.get_secret_value(), CHECK_TIMEOUT_S),
+                           interval_s=settings.redis.state_check_interval_s, on_change=on_change)

@@ -33,14 +33,14 @@ from referencing import Registry, Resource
 from referencing.exceptions import NoSuchResource, Unresolvable
 
 from service.errors import OCRError
-from service.config import Settings
+from service.config import LimitsConfig, Settings
 
 MAX_SCHEMA_DEPTH = 32  # nesting of objects/arrays in a schema (real schemas are 2-4 deep)
 REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
 # RE2 scans text at ≈ 3.5 ns per character × program instruction in its slowest (NFA) mode, a keyword evaluation
 # takes ≈ 1.6 µs: 512 of those units cost about one step
 REGEX_COST_PER_STEP = 512
-DEFAULT_VALIDATION_STEPS: int = Settings.model_fields["max_schema_validation_steps"].default
+DEFAULT_VALIDATION_STEPS: int = LimitsConfig.model_fields["max_schema_validation_steps"].default
 
 
 def _retrieve_nothing(uri: str) -> Resource:
@@ -167,13 +167,13 @@ def check_schema(schema: Any, settings: Settings, *, where: str = "schema") -> N
         size = len(json.dumps(schema, ensure_ascii=False).encode())
     except (TypeError, ValueError, RecursionError):
         raise _invalid(where, "not serialisable as JSON") from None
-    if size > settings.max_schema_bytes:
-        raise _invalid(where, f"{size} bytes; at most {settings.max_schema_bytes}")
+    if size > settings.limits.max_schema_bytes:
+        raise _invalid(where, f"{size} bytes; at most {settings.limits.max_schema_bytes}")
     if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
         raise _invalid(where, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
     properties = schema.get("properties")
-    if isinstance(properties, dict) and len(properties) > settings.max_fields:
-        raise _invalid(where, f"at most {settings.max_fields} properties")
+    if isinstance(properties, dict) and len(properties) > settings.limits.max_fields:
+        raise _invalid(where, f"at most {settings.limits.max_fields} properties")
     _check_keywords(schema, where)
     cls = validator_for(schema, default=Draft202012Validator)
     meta_cls = validator_for(cls.META_SCHEMA, default=cls)

@@ -125,8 +125,8 @@ class WorkPool:
 
     @classmethod
     def for_settings(cls, settings, one_tenant: bool = False) -> "WorkPool":
-        per_tenant = settings.admission_threads if one_tenant else settings.admission_threads_per_tenant
-        return cls(settings.admission_threads, per_tenant, settings.admission_queue_per_tenant)
+        per_tenant = settings.limits.admission_threads if one_tenant else settings.limits.admission_threads_per_tenant
+        return cls(settings.limits.admission_threads, per_tenant, settings.limits.admission_queue_per_tenant)
 
     async def run(self, tenant: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         await self.slots.acquire(tenant)

@@ -82,7 +82,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
                         max(1, round(args.height * args.scale)))
     result = guard_result(result, settings)
     parsed = parse_engine_output(args.task, result, geom, fields=fields, schema=schema,
-                                 max_validation_steps=settings.max_schema_validation_steps)
+                                 max_validation_steps=settings.limits.max_schema_validation_steps)
     response = build_response(request_id="replay", model="replay", task=args.task, result=result, geom=geom,
                               parsed=parsed, timings_ms={"parse": (time.perf_counter() - started) * 1000},
                               include_raw=args.include_raw)

@@ -21,9 +21,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from service.serve import local
 
     settings = settings_or_exit(engine=args.engine, port=args.port, host=args.host, model=args.model)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    local.start_ray(num_gpus=None, metrics_export_port=settings.metrics_export_port)
+    local.start_ray(num_gpus=None, metrics_export_port=settings.observability.metrics_export_port)
     stop = threading.Event()
     hurry = threading.Event()  # a second signal: stop waiting for in-flight requests (they still get their 503)
 
@@ -35,22 +35,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     url = local.run_app(settings, stop=stop)
-    if settings.api_keys_file is None:
+    if settings.auth.api_keys_file is None:
         from service.admission.auth import announce_open_service
 
         announce_open_service()
     # before the ready line, which is what scripts wait for
     print(f"ocr-serve: replica logs in {local.replica_logs_dir()}", flush=True)
     print(f"ocr-serve: Ray cluster at {local.ray_address()} (`ocr-serve drain --address` it)", flush=True)
-    print(f"ocr-serve: {settings.engine} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "
+    print(f"ocr-serve: {settings.engine.kind} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "
           f"(POST {url}/v1/ocr, docs {url}/docs, metrics {local.metrics_url()})", flush=True)
     stop.wait()
     # graceful drain: readiness fails and new work gets 503 at once; in-flight requests get up to the timeout, then
     # whatever is left gets 503 `shutting_down` (streams a last error event)
-    print(f"ocr-serve: draining (in-flight requests get up to {settings.graceful_shutdown_timeout_s:.0f}s)",
+    print(f"ocr-serve: draining (in-flight requests get up to {settings.serve.graceful_shutdown_timeout_s:.0f}s)",
           flush=True)
     loop = asyncio.new_event_loop()  # drain and Serve's shutdown share it (local.drain)
-    outcome = local.drain(settings.graceful_shutdown_timeout_s, loop, hurry)
+    outcome = local.drain(settings.serve.graceful_shutdown_timeout_s, loop, hurry)
     if outcome.in_flight_at_deadline:
         print(f"ocr-serve: {'second signal' if hurry.is_set() else 'drain timeout'}, "
               f"{outcome.in_flight_at_deadline} request(s) still in flight", flush=True)
@@ -68,10 +68,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
     runs it before `ray stop`): new work gets 503, in-flight requests get up to the timeout, then whatever is left
     gets 503 `shutting_down`. Ray and Serve keep running."""
     from service.serve import local
-    from service.config import Settings
+    from service.config import ServeConfig
 
     timeout_s = args.timeout_s if args.timeout_s is not None else \
-        Settings.model_fields["graceful_shutdown_timeout_s"].default
+        ServeConfig.model_fields["graceful_shutdown_timeout_s"].default
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     local.connect_ray(args.address)
     loop = asyncio.new_event_loop()

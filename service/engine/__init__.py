@@ -7,18 +7,18 @@ from service.config import Settings
 
 
 def make_engine(settings: Settings) -> Engine:
-    """The engine named by `settings.engine`, not yet started (call `await engine.start()`)."""
-    if settings.engine == "embedded":
+    """The engine named by `settings.engine.kind`, not yet started (call `await engine.start()`)."""
+    if settings.engine.kind == "embedded":
         from service.engine.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(det_limit_side_len=settings.embedded_det_limit_side_len,
-                              threads=settings.embedded_threads)
-    if settings.engine == "mock":
+        return EmbeddedEngine(det_limit_side_len=settings.engine.embedded.det_limit_side_len,
+                              threads=settings.engine.embedded.threads)
+    if settings.engine.kind == "mock":
         from service.engine.mock import MockEngine
 
-        return MockEngine(delay_s=settings.mock_delay_s, start_delay_s=settings.mock_start_delay_s)
-    if settings.engine == "vllm":
+        return MockEngine(delay_s=settings.testing.mock_delay_s, start_delay_s=settings.testing.mock_start_delay_s)
+    if settings.engine.kind == "vllm":
         from service.engine.vllm.engine import VLLMEngine
 
         return VLLMEngine.from_settings(settings)
-    raise ValueError(f"unknown engine {settings.engine!r}")
+    raise ValueError(f"unknown engine {settings.engine.kind!r}")

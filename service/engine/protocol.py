@@ -111,7 +111,7 @@ class EngineDelta(BaseModel):
 class ImageProcessorInfo(BaseModel):
     """The HF image processor an engine runs on every page before the model. It resizes each page to sides in
     multiples of `factor` with an area in [min_pixels, max_pixels] (`smart_resize`); a page already at that size
-    skips the resize, so the ingress can do it (settings.engine_image_presize)."""
+    skips the resize, so the ingress can do it (settings.engine.presize)."""
 
     backend: Literal["pil", "torchvision"] = Field(description="Which implementation resizes (its kernel).")
     factor: int = Field(gt=0, description="Sides become multiples of this: patch size × spatial merge.")

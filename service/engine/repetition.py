@@ -86,9 +86,9 @@ class RepetitionGuard:
 
     @classmethod
     def from_settings(cls, settings) -> "RepetitionGuard":
-        return cls(min_chars=settings.repetition_min_chars, min_repeats=settings.repetition_min_repeats,
-                   max_unit_chars=settings.repetition_max_unit_chars,
-                   check_every_chars=settings.repetition_check_every_chars)
+        return cls(min_chars=settings.parsing.repetition_min_chars, min_repeats=settings.parsing.repetition_min_repeats,
+                   max_unit_chars=settings.parsing.repetition_max_unit_chars,
+                   check_every_chars=settings.parsing.repetition_check_every_chars)
 
     @property
     def looping(self) -> bool:
@@ -145,11 +145,11 @@ def keep_tokens(tokens: Sequence[TokenLogprob] | None, kept_chars: int) -> list[
 
 def trim_repetition(text: str, settings) -> Loop | None:
     """One check of a complete output (engines that could not guard while generating)."""
-    if settings.repetition_min_chars <= 0 or len(text) < settings.repetition_min_chars:
+    if settings.parsing.repetition_min_chars <= 0 or len(text) < settings.parsing.repetition_min_chars:
         return None  # 0 disables the guard
-    tail_start = max(0, len(text) - settings.repetition_max_unit_chars * (settings.repetition_min_repeats + 1))
-    loop = find_tail_loop(text[tail_start:], min_repeats=settings.repetition_min_repeats,
-                          max_unit_chars=settings.repetition_max_unit_chars)
+    tail_start = max(0, len(text) - settings.parsing.repetition_max_unit_chars * (settings.parsing.repetition_min_repeats + 1))
+    loop = find_tail_loop(text[tail_start:], min_repeats=settings.parsing.repetition_min_repeats,
+                          max_unit_chars=settings.parsing.repetition_max_unit_chars)
     return None if loop is None else _extend_backwards(text, tail_start, loop)
 
 

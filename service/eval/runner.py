@@ -38,14 +38,14 @@ class RunConfig:
     max_wait_s: float = 60.0
 
 
-def run_eval(config: RunConfig, *, progress: TextIO | None = sys.stderr, notes: TextIO = sys.stderr
-             ) -> dict[str, Any]:
-    """Run and write the outputs; returns the summary. Raises EvalError for anything the user must fix."""
+def run_eval(config: RunConfig, *, progress: TextIO | None = None, notes: TextIO | None = None) -> dict[str, Any]:
+    """Run and write the outputs; returns the summary. Raises EvalError for anything the user must fix. Progress
+    goes to `progress` (none without one); notes to `notes`, the process's stderr at call time by default."""
     metrics.require_metric_packages()
     manifest = load_manifest(config.manifest)
     options = request_options(manifest, config)
     for note in unscored_truths(manifest, config.task):
-        print(f"ocr-serve eval: note: {note}", file=notes)
+        print(f"ocr-serve eval: note: {note}", file=notes or sys.stderr)
     outcomes, wall_s, ready = asyncio.run(_run(manifest, config, options, progress))
     settings = ScoreSettings(config.task, config.iou_threshold, config.ignore_case)
     scores = [score_document(doc, outcome, settings) for doc, outcome in zip(manifest.documents, outcomes)]

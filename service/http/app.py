@@ -101,16 +101,16 @@ def create_app(ctx: AppContext) -> FastAPI:
     settings = ctx.settings
     # innermost first: body limits around the routes, then the tenant's slot (taken before any body is read), the
     # drain (a draining instance refuses before anything else), the header cap, metrics outermost
-    app.add_middleware(BodyLimits, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
-                       min_rate=settings.body_min_rate_bytes_s,
-                       path_limits={"/v1/jobs": settings.max_pdf_bytes + JOB_MULTIPART_OVERHEAD_BYTES})
+    app.add_middleware(BodyLimits, max_bytes=settings.limits.max_body_bytes, timeout_s=settings.limits.body_timeout_s,
+                       min_rate=settings.limits.body_min_rate_bytes_s,
+                       path_limits={"/v1/jobs": settings.jobs.max_bytes + JOB_MULTIPART_OVERHEAD_BYTES})
     # open mode (no key file): every caller is one tenant, so a per-tenant cap would only cap the replica, which
     # Serve's max_ongoing_requests already does; the admission pool's tenant share is off there too
     one_tenant = getattr(ctx.authenticator, "open_mode", False)
     app.add_middleware(TenantConcurrencyLimit, ctx=ctx,
-                       max_per_tenant=0 if one_tenant else settings.max_concurrent_requests_per_tenant)
+                       max_per_tenant=0 if one_tenant else settings.limits.max_concurrent_requests_per_tenant)
     app.add_middleware(DrainGate, ctx=ctx)
-    app.add_middleware(HeaderSizeLimit, max_bytes=settings.max_header_bytes)
+    app.add_middleware(HeaderSizeLimit, max_bytes=settings.limits.max_header_bytes)
     # counts every /v1/ocr (and /v1/jobs) answer with its final status, whichever layer produced it
     app.add_middleware(RequestMetricsMiddleware, metrics=ctx.metrics)
     return app

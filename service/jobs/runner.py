@@ -78,7 +78,7 @@ class JobRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self.webhooks = WebhookSender(ctx.settings, ctx.metrics)
         # job pages of this replica at the engines, granted to tenants in turn
-        self.page_slots = FairSlots(ctx.settings.resolved_job_pages_in_flight, what="the engines")
+        self.page_slots = FairSlots(ctx.settings.job_pages_in_flight, what="the engines")
 
     # --- control ------------------------------------------------------------------------------------------------
     def start(self, record: JobRecord, req: OCRRequest, source: JobSource, principal: Principal,
@@ -98,8 +98,8 @@ class JobRunner:
         s = self.ctx.settings
         tenant = principal.tenant
         job_id = "job-" + uuid.uuid4().hex[:24]
-        if not await self.store.take_slot(tenant, job_id, s.max_running_jobs_per_tenant):
-            raise OCRError("too_many_jobs", f"tenant {tenant!r} already has {s.max_running_jobs_per_tenant} jobs "
+        if not await self.store.take_slot(tenant, job_id, s.jobs.max_running_per_tenant):
+            raise OCRError("too_many_jobs", f"tenant {tenant!r} already has {s.jobs.max_running_per_tenant} jobs "
                            "running; retry once one has finished", headers={"Retry-After": str(JOB_CAP_RETRY_S)})
         source = None
         try:
@@ -177,7 +177,7 @@ class JobRunner:
         cancelled = False
         try:
             info = await self.ctx.get_engine_info()
-            in_flight = asyncio.Semaphore(self.ctx.settings.job_page_concurrency)
+            in_flight = asyncio.Semaphore(self.ctx.settings.jobs.page_concurrency)
             for index in range(len(source.numbers)):
                 await in_flight.acquire()
                 task = None
@@ -327,9 +327,9 @@ class JobRunner:
             dpi, render_ms = rendered.dpi, rendered.render_ms
             started = time.perf_counter()  # `decode` times the preparation; `render` the sandbox's work
         else:
-            decoded = decode_image(source.images[index], allowed_formats=s.allowed_formats,
-                                   max_pixels=s.max_image_pixels, max_side=s.max_image_side,
-                                   max_frames=s.max_frames, defer_pixels=s.png_pixel_check == "engine")
+            decoded = decode_image(source.images[index], allowed_formats=s.limits.allowed_formats,
+                                   max_pixels=s.limits.max_image_pixels, max_side=s.limits.max_image_side,
+                                   max_frames=s.limits.max_frames, defer_pixels=s.engine.png_pixel_check == "engine")
         prepared = prepare_decoded_page(self.ctx, req, decoded, info, request_id, started=started,
                                         source="pdf" if source.pdf is not None else "image")
         preview = _preview(decoded.pixels()) if record.return_page_images else None
@@ -345,7 +345,7 @@ class JobRunner:
         started = time.perf_counter()
         attempts = 0
         last_error = OCRError("internal_error", "the page was not processed")
-        for attempt in range(1 + self.ctx.settings.job_page_retries):
+        for attempt in range(1 + self.ctx.settings.jobs.page_retries):
             attempts += 1
             try:
                 response = await self._engine_call(req, staged, info, started, attempt)
@@ -357,12 +357,12 @@ class JobRunner:
                     break  # the page itself is the problem: retrying cannot help
             except asyncio.TimeoutError:
                 last_error = OCRError("timeout", f"the engine did not answer within "
-                                      f"{self.ctx.settings.request_timeout_s:g}s")
+                                      f"{self.ctx.settings.server.request_timeout_s:g}s")
             except Exception as exc:  # engine crash, replica died mid-call: retry on (possibly) another replica
                 log.warning("job %s page %s attempt %s failed: %s", record.id, staged.number, attempts,
                             type(exc).__name__)
                 last_error = OCRError("engine_unavailable", "the engine failed on this page")
-            if attempt < self.ctx.settings.job_page_retries:
+            if attempt < self.ctx.settings.jobs.page_retries:
                 await asyncio.sleep(min(MAX_BACKOFF_S, RETRY_BACKOFF_S * 2 ** attempt))
         return PageResult(index=index, page=staged.number, status="failed", attempts=attempts,
                           dpi=staged.dpi or None, error=ErrorInfo(code=last_error.code, message=last_error.message))

@@ -62,8 +62,8 @@ def probe_source(ctx: AppContext, req: OCRRequest, engine: EngineInfo, files: li
     images = [files[n - 1] for n in numbers]
     sizes = []
     for data in images:
-        _, width, height = probe_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
-                                       max_side=s.max_image_side)
+        _, width, height = probe_image(data, allowed_formats=s.limits.allowed_formats, max_pixels=s.limits.max_image_pixels,
+                                       max_side=s.limits.max_image_side)
         sizes.append((width, height))
     _check_pixels(sizes, s, "images")
     return JobSource(numbers=numbers, sizes=sizes, costs=_page_costs(ctx, req, engine, sizes), images=images)
@@ -85,6 +85,6 @@ def _page_costs(ctx: AppContext, req: OCRRequest, engine: EngineInfo, sizes: lis
 
 def _check_pixels(sizes: list[tuple[int, int]], settings: Settings, what: str) -> None:
     total = sum(width * height for width, height in sizes)
-    if total > settings.max_request_pixels:
+    if total > settings.limits.max_request_pixels:
         raise OCRError("too_many_pixels", f"the job's {what} have {total} pixels in all; at most "
-                       f"{settings.max_request_pixels} per request — send fewer or smaller pages")
+                       f"{settings.limits.max_request_pixels} per request — send fewer or smaller pages")

@@ -324,6 +324,6 @@ def _plain(value: Any) -> Any:
 
 
 def make_store(settings) -> JobStore:
-    if settings.redis_url is not None:
-        return RedisJobStore(settings.redis_url.get_secret_value(), settings.job_ttl_s)
-    return MemoryJobStore(settings.job_ttl_s)
+    if settings.redis.url is not None:
+        return RedisJobStore(settings.redis.url.get_secret_value(), settings.jobs.ttl_s)
+    return MemoryJobStore(settings.jobs.ttl_s)

@@ -214,14 +214,14 @@ async def validate_webhook(url: str, settings) -> WebhookTarget:
     target = parse_webhook_url(url)
     try:
         addresses = await asyncio.wait_for(asyncio.to_thread(_resolve, target.host, target.port),
-                                           settings.webhook_timeout_s)
+                                           settings.jobs.webhook.timeout_s)
     except asyncio.TimeoutError as exc:
-        raise _refused_host(target, f"did not resolve within {settings.webhook_timeout_s:g}s") from exc
+        raise _refused_host(target, f"did not resolve within {settings.jobs.webhook.timeout_s:g}s") from exc
     except (OSError, UnicodeError, ValueError) as exc:
         raise _refused_host(target, f"does not resolve ({type(exc).__name__})") from exc
     if not addresses:
         raise _refused_host(target, "resolves to no address")
-    names, networks = _allow_list(settings.webhook_allowed_hosts)
+    names, networks = _allow_list(settings.jobs.webhook.allowed_hosts)
     if target.host not in names:  # an allow-listed name may resolve anywhere; otherwise every address is checked
         for ip in addresses:
             reason = address_denial(ip)
@@ -288,14 +288,14 @@ class WebhookSender:
         delivery_id = uuid.uuid4().hex
         # trust_env=False: no proxy from the environment (it would resolve the name itself); redirects off
         async with httpx.AsyncClient(trust_env=False, follow_redirects=False, verify=self.verify,
-                                     timeout=httpx.Timeout(settings.webhook_timeout_s)) as client:
+                                     timeout=httpx.Timeout(settings.jobs.webhook.timeout_s)) as client:
             attempt = 0
             while True:
                 attempt += 1
                 outcome, status = await self._attempt(client, target, body, delivery_id)
                 retry = outcome in ("timeout", "unreachable") or (
                     outcome == "http_error" and status is not None and (status >= 500 or status in RETRY_STATUSES))
-                if outcome == "delivered" or not retry or attempt >= settings.webhook_max_attempts:
+                if outcome == "delivered" or not retry or attempt >= settings.jobs.webhook.max_attempts:
                     return outcome, attempt, status
                 await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempt - 1)))
 
@@ -303,15 +303,15 @@ class WebhookSender:
                        delivery_id: str) -> tuple[Outcome, int | None]:
         headers = {"Host": target.host_header, "Content-Type": "application/json", "User-Agent": USER_AGENT,
                    EVENT_HEADER: EVENT, DELIVERY_HEADER: delivery_id}
-        if self.settings.webhook_secret is not None:
+        if self.settings.jobs.webhook.secret is not None:
             timestamp = str(int(time.time()))
             headers[TIMESTAMP_HEADER] = timestamp
-            headers[SIGNATURE_HEADER] = sign(self.settings.webhook_secret.get_secret_value().encode(), timestamp,
+            headers[SIGNATURE_HEADER] = sign(self.settings.jobs.webhook.secret.get_secret_value().encode(), timestamp,
                                              body)
         # the connection goes to the pinned IP; TLS still sends SNI and verifies the certificate for the name
         extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
         try:
-            async with asyncio.timeout(self.settings.webhook_timeout_s):
+            async with asyncio.timeout(self.settings.jobs.webhook.timeout_s):
                 async with client.stream("POST", target.pinned_url, content=body, headers=headers,
                                          extensions=extensions) as response:
                     read = 0

@@ -192,7 +192,7 @@ def ray_serve_instrument(spec: MetricSpec) -> Any:
 
 def instrument_factory(settings) -> InstrumentFactory | None:
     """Ray Serve instruments when metrics are on and this process is part of a Ray cluster, else None (off)."""
-    if not getattr(settings, "metrics_enabled", True):
+    if not settings.observability.metrics_enabled:
         return None
     try:
         import ray
@@ -291,11 +291,12 @@ class IngressMetrics(_Metrics):
         return metrics
 
     def publish_config(self, settings) -> None:
-        self._set("ocr_latency_slo_seconds", settings.latency_slo_s)
-        values = {"min_replicas": settings.min_replicas, "max_replicas": settings.max_replicas,
-                  "target_ongoing_requests": settings.target_ongoing_requests,
-                  "latency_target_seconds": (settings.latency_target_ms / 1000
-                                             if settings.latency_target_ms else None)}
+        self._set("ocr_latency_slo_seconds", settings.observability.latency_slo_s)
+        fewest, most = settings.serve.engine_replicas(settings.engine.kind)
+        values = {"min_replicas": fewest, "max_replicas": most,
+                  "target_ongoing_requests": settings.serve.autoscaling()["target_ongoing_requests"],
+                  "latency_target_seconds": (settings.serve.latency_target_ms / 1000
+                                             if settings.serve.latency_target_ms else None)}
         for setting, value in values.items():
             if value is not None:
                 self._set("ocr_autoscaling_config", float(value), setting=setting)
@@ -367,8 +368,8 @@ class EngineMetrics(_Metrics):
 
     @classmethod
     def for_settings(cls, settings) -> "EngineMetrics":
-        metrics = cls(instrument_factory(settings), engine=settings.engine)
-        metrics._set("ocr_engine_gpus", float(settings.resolved_engine_num_gpus))
+        metrics = cls(instrument_factory(settings), engine=settings.engine.kind)
+        metrics._set("ocr_engine_gpus", float(settings.engine_deployment["ray_actor_options"].get("num_gpus", 0)))
         metrics._set("ocr_engine_ongoing_requests", 0)
         metrics.start_refresher()
         return metrics

@@ -46,11 +46,11 @@ async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
         raise OCRError("invalid_request", f"`fields` and `schema` apply to task `extract`, not {req.task!r}")
     if req.task != "translate" and req.target_language is not None:
         raise OCRError("invalid_request", f"`target_language` applies to task `translate`, not {req.task!r}")
-    if req.fields is not None and len(req.fields) > ctx.settings.max_fields:
-        raise OCRError("validation_error", f"at most {ctx.settings.max_fields} fields")
+    if req.fields is not None and len(req.fields) > ctx.settings.limits.max_fields:
+        raise OCRError("validation_error", f"at most {ctx.settings.limits.max_fields} fields")
     if req.json_schema is not None:
         check_named_properties(req.json_schema)
-    if req.include_raw and not ctx.settings.include_raw_output:
+    if req.include_raw and not ctx.settings.parsing.include_raw_output:
         raise OCRError("forbidden", "raw model output is disabled on this service (include_raw_output)")
 
 
@@ -76,9 +76,9 @@ class Charge:
 
     def _bucket(self) -> tuple[float, float] | None:
         s = self.ctx.settings
-        if not s.rate_limit_enabled:
+        if not s.rate_limit.enabled:
             return None
-        return self.principal.rate or s.default_rate, self.principal.burst or s.default_burst
+        return self.principal.rate or s.rate_limit.default_rate, self.principal.burst or s.rate_limit.default_burst
 
     async def raise_to(self, cost: float) -> "Charge":
         """Take what `cost` needs beyond what was taken; 429 `rate_limited` (costing the engine nothing) when the

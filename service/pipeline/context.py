@@ -59,7 +59,7 @@ class AppContext:
     async def get_engine_info(self) -> EngineInfo:
         if self.engine_info is None:
             info = await self.engine.info()
-            if self.settings.engine_image_presize and info.image_processor is not None:
+            if self.settings.engine.presize and info.image_processor is not None:
                 try:
                     from service.admission.presize import check_available
 

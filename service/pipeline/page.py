@@ -57,7 +57,7 @@ def probe_upload(data: bytes | str, settings: Settings, *, allow_pdf: bool = Tru
     bytes first, here rather than on the event loop."""
     s = settings
     if isinstance(data, str):
-        data = decode_base64_image(data, s.max_body_bytes)
+        data = decode_base64_image(data, s.limits.max_body_bytes)
     if allow_pdf and sniff_format(data) == "PDF":
         session = PdfSession(data, s, single_page=True)
         try:
@@ -66,8 +66,8 @@ def probe_upload(data: bytes | str, settings: Settings, *, allow_pdf: bool = Tru
             session.close()
             raise
         return Upload(data, "PDF", *rendered_size(page, s, single_page_pixel_budget(s)), pdf=session)
-    fmt, width, height = probe_image(data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
-                                     max_side=s.max_image_side)
+    fmt, width, height = probe_image(data, allowed_formats=s.limits.allowed_formats, max_pixels=s.limits.max_image_pixels,
+                                     max_side=s.limits.max_image_side)
     return Upload(data, fmt, width, height)
 
 
@@ -77,19 +77,19 @@ def plan_page(ctx: AppContext, req: OCRRequest, width: int, height: int, engine:
     size is needed, so it also prices an upload from its header before it is decoded. `prompt`: user text instead
     of the task's (a chat message)."""
     s = ctx.settings
-    if max(width, height) > s.max_image_aspect_ratio * min(width, height):
+    if max(width, height) > s.limits.max_image_aspect_ratio * min(width, height):
         raise OCRError("unsupported_aspect_ratio", f"the image is {width}x{height}; sides may differ "
-                       f"by at most {s.max_image_aspect_ratio:g}x")
+                       f"by at most {s.limits.max_image_aspect_ratio:g}x")
     task = TASKS[req.task]
-    max_tokens = min(req.max_tokens or task.default_max_tokens, s.max_output_tokens)
+    max_tokens = min(req.max_tokens or task.default_max_tokens, s.engine.max_output_tokens)
     if engine.name == "embedded":
         return plan_for_embedded(width, height, max_side=EMBEDDED_MAX_SIDE), None, max_tokens  # it takes no prompt
     prompt = build_prompt(req, s) if prompt is None else prompt
     # the engine's own processor limits where it reports them (a real 1.5 checkout allows 4096² pixels)
     processor = engine.image_processor
-    plan = plan_for_vlm(width, height, max_model_len=s.max_model_len, max_tokens=max_tokens,
-                        min_pixels=processor.min_pixels if processor else s.min_image_pixels,
-                        max_pixels=processor.max_pixels if processor else s.max_engine_image_pixels,
+    plan = plan_for_vlm(width, height, max_model_len=s.engine.max_model_len, max_tokens=max_tokens,
+                        min_pixels=processor.min_pixels if processor else s.engine.min_image_pixels,
+                        max_pixels=processor.max_pixels if processor else s.engine.max_engine_image_pixels,
                         prompt_overhead=prompt_token_bound(prompt, engine.prompt_template_tokens))
     return plan, prompt, max_tokens
 
@@ -98,17 +98,17 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
                          request_id: str, *, started: float | None = None, source: str = "image",
                          prompt: str | None = None) -> PreparedPage:
     """Budget, resize and prompt an already decoded page (also used by jobs), in the form the engine takes: pixels
-    when it can (settings.engine_image_transport), else PNG, where an upload that already is a bare PNG of the
+    when it can (settings.engine.image_transport), else PNG, where an upload that already is a bare PNG of the
     planned pixels goes on as it is. `prompt`: user text instead of the task's (a chat message); the page's
     context budget counts whichever is sent."""
     s = ctx.settings
     started = time.perf_counter() if started is None else started
     plan, prompt, max_tokens = plan_page(ctx, req, decoded.width, decoded.height, engine, prompt)
-    presizing = s.engine_image_presize and engine.image_processor is not None
+    presizing = s.engine.presize and engine.image_processor is not None
     size = (plan.width, plan.height)
     if presizing:
         size = processor_size(*size, engine.image_processor)
-    pixels_transport = s.engine_image_transport == "pixels" and "pixels" in engine.image_transports
+    pixels_transport = s.engine.image_transport == "pixels" and "pixels" in engine.image_transports
     if decoded.png is not None and size == (decoded.width, decoded.height) and not pixels_transport:
         # the upload is already the engine's PNG: send it on, decoded here only if admission did not defer that
         page_image, width, height = {"image_png": decoded.png}, decoded.width, decoded.height
@@ -125,9 +125,9 @@ def prepare_decoded_page(ctx: AppContext, req: OCRRequest, decoded: DecodedImage
     engine_request = EngineRequest(
         request_id=request_id, task=req.task, width=width, height=height, **page_image,
         prompt=prompt, max_tokens=plan.max_tokens or max_tokens, adapter=req.adapter,
-        repetition_penalty=s.repetition_penalty, guided_json=guided_json_for(req, s), logprobs=req.confidence,
+        repetition_penalty=s.parsing.repetition_penalty, guided_json=guided_json_for(req, s), logprobs=req.confidence,
     )
-    if s.bench_fixed_output_tokens:  # benchmarks: fixed output length, whatever the (random) weights emit
+    if s.testing.fixed_output_tokens:  # benchmarks: fixed output length, whatever the (random) weights emit
         engine_request.min_tokens, engine_request.ignore_eos = engine_request.max_tokens, True
     geometry = PageGeometry(decoded.width, decoded.height, plan.width, plan.height)
     return PreparedPage(engine_request, geometry, plan, (time.perf_counter() - started) * 1000, source)
@@ -156,9 +156,9 @@ def _decode_and_prepare(ctx: AppContext, req: OCRRequest, upload: Upload, engine
             decoded = DecodedImage(image=rendered.image, format="PDF", width=rendered.image.width,
                                    height=rendered.image.height)
         else:
-            decoded = decode_image(upload.data, allowed_formats=s.allowed_formats, max_pixels=s.max_image_pixels,
-                                   max_side=s.max_image_side, max_frames=s.max_frames,
-                                   defer_pixels=s.png_pixel_check == "engine")
+            decoded = decode_image(upload.data, allowed_formats=s.limits.allowed_formats, max_pixels=s.limits.max_image_pixels,
+                                   max_side=s.limits.max_image_side, max_frames=s.limits.max_frames,
+                                   defer_pixels=s.engine.png_pixel_check == "engine")
     finally:
         upload.close()
     return prepare_decoded_page(ctx, req, decoded, engine, request_id, started=started,
@@ -172,7 +172,7 @@ def prepare_page(ctx: AppContext, req: OCRRequest, data: bytes, engine: EngineIn
 
 
 def rate_limit_cost(ctx: AppContext, plan: ImagePlan, pages: int = 1) -> float:
-    mode = ctx.settings.rate_limit_cost
+    mode = ctx.settings.rate_limit.cost
     if mode == "image_tokens":
         # the embedded engine has no image tokens: charge what HunyuanOCR would
         return float(plan.image_tokens or max(1, plan.width * plan.height // 1024))

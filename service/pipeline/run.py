@@ -29,7 +29,7 @@ async def parse_output(ctx: AppContext, req: OCRRequest, result: EngineResult, g
     tenant's schema (bounded by `max_schema_validation_steps`, but CPU work all the same)."""
     return await asyncio.to_thread(parse_engine_output, req.task, result, geometry, fields=req.fields,
                                    schema=req.json_schema,
-                                   max_validation_steps=ctx.settings.max_schema_validation_steps)
+                                   max_validation_steps=ctx.settings.limits.max_schema_validation_steps)
 
 
 def engine_stage_timings(result: EngineResult) -> dict[str, float]:
@@ -54,9 +54,9 @@ async def generate(ctx: AppContext, engine_request: EngineRequest) -> EngineResu
     than `request_timeout_s` (504 `timeout`)."""
     with ctx.metrics.waiting_for_engine():
         try:
-            return await asyncio.wait_for(ctx.engine.generate(engine_request), ctx.settings.request_timeout_s)
+            return await asyncio.wait_for(ctx.engine.generate(engine_request), ctx.settings.server.request_timeout_s)
         except TimeoutError:
-            raise OCRError("timeout", f"no engine result within {ctx.settings.request_timeout_s:g}s; "
+            raise OCRError("timeout", f"no engine result within {ctx.settings.server.request_timeout_s:g}s; "
                            "retry later") from None
 
 
@@ -74,7 +74,7 @@ async def recognise(ctx: AppContext, req: OCRRequest, page: PreparedPage, *, mod
     parse_started = time.perf_counter()
     result = guard_result(result, ctx.settings)  # engines that could not cut a loop while generating
     parsed = await parse_output(ctx, req, result, page.geometry)
-    if parsed.errors and req.task == "extract" and ctx.settings.extraction_guided_retry:
+    if parsed.errors and req.task == "extract" and ctx.settings.parsing.extraction_guided_retry:
         result, parsed = await _guided_extraction_retry(ctx, req, page, result, parsed)
     timings = {
         **(extra_timings or {}),

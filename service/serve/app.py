@@ -30,73 +30,49 @@ COLOCATED_UNBOUNDED_QUEUE = 100_000
 
 
 def engine_deployment_options(settings: Settings) -> dict[str, Any]:
-    autoscaling: dict[str, Any] = {
-        "min_replicas": settings.min_replicas,
-        "max_replicas": settings.max_replicas,
-        "target_ongoing_requests": settings.target_ongoing_requests,
-        "upscale_delay_s": settings.upscale_delay_s,
-        "downscale_delay_s": settings.downscale_delay_s,
-        "look_back_period_s": settings.autoscaling_look_back_s,
-    }
-    if settings.autoscaling_metrics_interval_s != 10.0:  # Serve warns on any explicit value (field is deprecated)
-        autoscaling["metrics_interval_s"] = settings.autoscaling_metrics_interval_s
-    if settings.initial_replicas is not None:
-        autoscaling["initial_replicas"] = settings.initial_replicas
-    if settings.latency_target_ms is not None:  # queue-depth rule + latency rule
-        autoscaling["policy"] = AutoscalingPolicy(
+    """The engine deployment's Serve options (config.ServeConfig.engine_options: the product's defaults, the GPU the
+    engine needs, `engine_deployment` on top), with the latency rule as its autoscaling policy when set."""
+    options = {"name": ENGINE_DEPLOYMENT, **settings.engine_deployment}
+    scaling = options.get("autoscaling_config")
+    if scaling is not None and settings.serve.latency_target_ms is not None:  # queue-depth rule + latency rule
+        options["autoscaling_config"] = {**scaling, "policy": AutoscalingPolicy(
             policy_function=POLICY_IMPORT_PATH,
-            policy_kwargs={"latency_target_ms": settings.latency_target_ms,
-                           "latency_downscale_ratio": settings.latency_downscale_ratio},
-        )
-    options: dict[str, Any] = {
-        "name": ENGINE_DEPLOYMENT,
-        "ray_actor_options": {"num_cpus": settings.engine_num_cpus, "num_gpus": settings.resolved_engine_num_gpus},
-        "max_ongoing_requests": settings.max_ongoing_requests,
-        "max_queued_requests": settings.max_queued_requests,
-        "health_check_period_s": settings.health_check_period_s,
-        "health_check_timeout_s": settings.health_check_timeout_s,
-        "graceful_shutdown_timeout_s": settings.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": settings.graceful_shutdown_wait_loop_s,
-    }
-    if settings.min_replicas == settings.max_replicas:
-        options["num_replicas"] = settings.min_replicas
-    else:
-        options["autoscaling_config"] = autoscaling
+            policy_kwargs={"latency_target_ms": settings.serve.latency_target_ms,
+                           "latency_downscale_ratio": settings.serve.latency_downscale_ratio})}
     return options
 
 
 def colocated_deployment_options(settings: Settings) -> dict[str, Any]:
     """The engine deployment's options (replicas, autoscaling, GPU, CPUs, health checks) for replicas that also
-    answer HTTP. engine_num_cpus covers the one process, so a GPU worker that advertises exactly that (the Helm
-    chart's) still fits it. Serve's limit per replica covers the engine's requests, those waiting at its EngineGate
-    and the probes; the queue is the gate's, so Serve's own (which answers without our error body) stays unbounded."""
+    answer HTTP. Its CPUs cover the one process, so a GPU worker that advertises exactly that (the Helm chart's)
+    still fits it. Serve's limit per replica covers the engine's requests, those waiting at its EngineGate and the
+    probes; the queue is the gate's, so Serve's own (which answers without our error body) stays unbounded."""
     options = engine_deployment_options(settings)
-    queued = settings.max_queued_requests if settings.max_queued_requests >= 0 else COLOCATED_UNBOUNDED_QUEUE
+    queued = options["max_queued_requests"]
+    queued = queued if queued >= 0 else COLOCATED_UNBOUNDED_QUEUE
     options.update(name=COLOCATED_DEPLOYMENT, max_queued_requests=-1,
-                   max_ongoing_requests=settings.max_ongoing_requests + queued + COLOCATED_HTTP_HEADROOM)
+                   max_ongoing_requests=options["max_ongoing_requests"] + queued + COLOCATED_HTTP_HEADROOM)
     return options
+
+
+def ingress_deployment_options(settings: Settings) -> dict[str, Any]:
+    """The ingress deployment's options: room for every request the engines can hold (twice over) by default,
+    `ingress_deployment` on top. A client waits on its ingress replica: it gets the engine's time to finish."""
+    _, most = settings.serve.engine_replicas(settings.engine.kind)
+    room = max(64, settings.engine_deployment["max_ongoing_requests"] * most * 2)
+    return {"name": INGRESS_DEPLOYMENT, "max_ongoing_requests": room, **settings.serve.ingress_options()}
 
 
 def build_app(settings: Settings) -> serve.Application:
     """The whole application, ready for `serve.run`."""
     plain = settings.model_dump(mode="python")
-    if settings.serve_topology == "colocated":
+    if settings.serve.topology == "colocated":
         return serve.deployment(ColocatedDeployment, **colocated_deployment_options(settings)).bind(plain)
     engine = serve.deployment(EngineDeployment, **engine_deployment_options(settings)).bind(plain)
-    ingress = serve.deployment(
-        IngressDeployment,
-        name=INGRESS_DEPLOYMENT,
-        num_replicas=settings.ingress_replicas,
-        ray_actor_options={"num_cpus": settings.ingress_num_cpus},
-        max_ongoing_requests=max(64, settings.max_ongoing_requests * settings.max_replicas * 2),
-        # a client waits on its ingress replica: it gets the same time to finish as the engine's
-        graceful_shutdown_timeout_s=settings.graceful_shutdown_timeout_s,
-        graceful_shutdown_wait_loop_s=settings.graceful_shutdown_wait_loop_s,
-    )
-    return ingress.bind(engine, plain)
+    return serve.deployment(IngressDeployment, **ingress_deployment_options(settings)).bind(engine, plain)
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """Serve config entry point (`import_path: service.serve.app:app_builder`): `args` are settings field values
-    (the Helm chart renders them from values.yaml); OCR_* environment variables fill the rest."""
+    """Serve config entry point (`import_path: service.serve.app:app_builder`): `args` are settings by flat name
+    (the Helm chart renders them from values.yaml's `settings:`); OCR_* environment variables fill the rest."""
     return build_app(Settings(**(args or {})))

@@ -35,16 +35,16 @@ class EngineDeployment:
     async def __init__(self, settings: dict[str, Any]):
         bind_replica_grpc_to_node_ip()
         self.settings = Settings.model_validate(settings)
-        route_to_replica_log(self.settings.log_level)
+        route_to_replica_log(self.settings.server.log_level)
         self.engine = make_engine(self.settings)
         # request latencies for the autoscaler's latency rule (service/serve/autoscaling.py)
-        self.latency = LatencyWindow(window_s=self.settings.autoscaling_look_back_s)
+        self.latency = LatencyWindow(window_s=self.settings.serve.autoscaling()["look_back_period_s"])
         self.metrics = EngineMetrics.for_settings(self.settings)  # ocr_engine_* of this replica
         await self.engine.start()
         self.metrics.healthy(True)
         # LoRA adapters through Serve model multiplexing: requests for an adapter are routed to replicas that hold
         # it; past max_adapters_per_replica, Serve evicts the least recently used one (its slot frees vLLM's)
-        self._adapter_slot = serve.multiplexed(max_num_models_per_replica=self.settings.max_adapters_per_replica)(
+        self._adapter_slot = serve.multiplexed(max_num_models_per_replica=self.settings.engine.lora.max_adapters_per_replica)(
             self._adapter_loader())
 
     def _adapter_loader(self):
@@ -173,7 +173,7 @@ class IngressDeployment(HttpReplica):
     def __init__(self, engine: DeploymentHandle, settings: dict[str, Any]):
         bind_replica_grpc_to_node_ip()
         self.settings = Settings.model_validate(settings)
-        route_to_replica_log(self.settings.log_level)
+        route_to_replica_log(self.settings.server.log_level)
         self.ctx = build_context(self.settings, ServeEngineClient(engine))
 
 
@@ -210,7 +210,8 @@ class ColocatedDeployment(HttpReplica, EngineDeployment):
 
     async def __init__(self, settings: dict[str, Any]):
         await EngineDeployment.__init__(self, settings)
-        self._gate = EngineGate(self.settings.max_ongoing_requests, self.settings.max_queued_requests)
+        options = self.settings.engine_deployment
+        self._gate = EngineGate(options["max_ongoing_requests"], options["max_queued_requests"])
         self.ctx = build_context(self.settings, self)
 
     async def generate(self, request: EngineRequest) -> EngineResult:

@@ -32,7 +32,7 @@ from typing import Annotated, Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import ERROR_CODES, OCRError
-from service.config import Settings
+from service.config import LimitsConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def edge_limits(environ: dict[str, str] | None = None) -> EdgeLimits:
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for name in EDGE_SETTINGS:
-        field = Settings.model_fields[name]
+        field = LimitsConfig.model_fields[name]
         raw = environ.get(f"OCR_{name.upper()}")
         values[name] = field.default if raw is None else \
             TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(raw, strict=False)

@@ -33,7 +33,7 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 # In that mode each request crosses to a replica as one gRPC message, and Ray 2.60 keeps gRPC's 4 MiB default for
 # what a replica receives: an upload over 4 MiB (of the 20 MiB max_body_bytes allows) or an A4 page as pixels
 # (engine_image_transport: pixels, 6.4 MB) was a 500. The limit is raised above the largest body setting allows
-# (settings.max_body_bytes ≤ 256 MiB) and the largest page of pixels (4096² × 3 = 48 MiB).
+# (settings.limits.max_body_bytes ≤ 256 MiB) and the largest page of pixels (4096² × 3 = 48 MiB).
 REPLICA_MAX_MESSAGE_BYTES = 320 * 1024 * 1024
 SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
                   "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(REPLICA_MAX_MESSAGE_BYTES)}
@@ -170,9 +170,9 @@ def run_app(settings: Settings, *, wait_ready_s: float = 600.0, stop: threading.
 
     from service.serve.app import build_app
 
-    serve.start(http_options={"host": settings.host, "port": settings.port}, detached=False)
+    serve.start(http_options={"host": settings.server.host, "port": settings.server.port}, detached=False)
     serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=False)
-    url = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else settings.host}:{settings.port}"
+    url = f"http://{'127.0.0.1' if settings.server.host in ('0.0.0.0', '::') else settings.server.host}:{settings.server.port}"
     wait_ready(url, wait_ready_s, stop)
     return url
 

@@ -108,15 +108,15 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, settings: Settings):
-        if settings.model is None:
-            raise ValueError("the vllm engine needs settings.model (OCR_MODEL)")
+        if settings.engine.model is None:
+            raise ValueError("the vllm engine needs settings.engine.model (OCR_MODEL)")
         self.settings = settings
-        self.model_dir = Path(settings.model)
+        self.model_dir = Path(settings.engine.model)
         self._llm = None
-        self._render_pool: RenderPool | None = None  # settings.preprocess_processes > 0: pages render there
+        self._render_pool: RenderPool | None = None  # settings.engine.vllm.preprocess_processes > 0: pages render there
         self._tokenizer = None
         self._wrap_image_token = False
-        self._image_processor = image_processor_info(self.model_dir, settings.image_processor_backend)
+        self._image_processor = image_processor_info(self.model_dir, settings.engine.vllm.image_processor_backend)
         self._template_tokens: int | None = None  # measured when the renderer warms up
         self._special_ids: set[int] = set()
         self._last_success = float("-inf")  # monotonic time the last generation completed
@@ -139,7 +139,8 @@ class VLLMEngine:
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
     def engine_args(self) -> Any:
-        """vLLM engine arguments from settings (vllm_extra_args last, as given)."""
+        """vLLM engine arguments: those the service sets from its own settings (model, context length, LoRA
+        slots), then the product's defaults with `engine_kwargs` on top (config.VLLMConfig)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         s = self.settings
@@ -147,32 +148,17 @@ class VLLMEngine:
         kwargs: dict[str, Any] = dict(
             model=str(self.model_dir),
             tokenizer=str(self.model_dir),
-            served_model_name=[s.served_model_name],
-            load_format=s.load_format,
-            dtype=s.dtype,
-            max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs,
-            enable_prefix_caching=s.enable_prefix_caching,
-            enforce_eager=s.enforce_eager or on_cpu,
+            served_model_name=[s.engine.served_model_name],
+            max_model_len=s.engine.max_model_len,
             limit_mm_per_prompt={"image": 1},
-            mm_processor_cache_gb=0,  # every page is new; the cache also forbids more than one renderer thread
-            renderer_num_workers=s.preprocess_workers,  # the processor backend goes with each request (stream())
-            stream_interval=s.engine_stream_interval,
             distributed_executor_backend="uni",
-            # stats go only to the stat loggers passed in start() (Ray metrics); no periodic stats log lines
-            disable_log_stats=True,
-            seed=0,
+            **s.engine.vllm.kwargs(on_cpu=on_cpu),
         )
-        if not on_cpu:
-            kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
-        if s.kv_cache_memory_gb is not None:
-            kwargs["kv_cache_memory_bytes"] = int(s.kv_cache_memory_gb * 1024**3)
-        if s.max_num_batched_tokens is not None:
-            kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
-        if s.enable_lora:
-            kwargs.update(enable_lora=True, max_loras=s.max_loras, max_lora_rank=s.max_lora_rank,
-                          max_cpu_loras=s.max_cpu_loras or max(s.max_loras, s.max_adapters_per_replica))
-        kwargs.update(s.vllm_extra_args)
+        kwargs["enforce_eager"] = kwargs.get("enforce_eager", False) or on_cpu  # no CUDA graphs on a CPU build
+        lora = s.engine.lora
+        if lora.enabled:
+            kwargs.update(enable_lora=True, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank,
+                          max_cpu_loras=lora.max_cpu_loras or max(lora.max_loras, lora.max_adapters_per_replica))
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
@@ -182,9 +168,9 @@ class VLLMEngine:
         if _on_cpu():
             # CPU: keep the model inside the EngineCore process (uni executor) instead of a third worker process
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if self.settings.engine_torch_threads:
-            # the EngineCore process vLLM spawns next inherits this environment (settings.engine_torch_threads)
-            os.environ["OMP_NUM_THREADS"] = str(self.settings.engine_torch_threads)
+        if self.settings.engine.vllm.torch_threads:
+            # the EngineCore process vLLM spawns next inherits this environment (settings.engine.vllm.torch_threads)
+            os.environ["OMP_NUM_THREADS"] = str(self.settings.engine.vllm.torch_threads)
         started = time.time()  # wall clock: the render processes report when they were ready on it too
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self._special_ids = set(self._tokenizer.added_tokens_decoder)
@@ -195,16 +181,16 @@ class VLLMEngine:
         from vllm.usage.usage_lib import UsageContext
 
         engine_args = self.engine_args()
-        if self.settings.enable_lora and not engine_args.worker_extension_cls:
+        if self.settings.engine.lora.enabled and not engine_args.worker_extension_cls:
             # the LoRA warm-up asks the worker which LoRA layers vLLM built (_warm_lora_kernels)
             from service.engine.vllm.worker_ext import EXTENSION
 
             engine_args.worker_extension_cls = EXTENSION
         vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-        if self.settings.preprocess_processes:
+        if self.settings.engine.vllm.preprocess_processes:
             # the render processes import vLLM and build their renderers while the EngineCore loads the model and
             # captures its graphs: one after the other, they made the H200's replicas ready 23-61 s later
-            self._render_pool = RenderPool(vllm_config, self.settings.preprocess_processes,
+            self._render_pool = RenderPool(vllm_config, self.settings.engine.vllm.preprocess_processes,
                                            warm_inputs=self._warm_page_inputs())
             self._render_pool.launch()
             self.startup_s["render_processes_launched"] = time.time() - started
@@ -220,11 +206,11 @@ class VLLMEngine:
         except BaseException:  # no half-started engine: its EngineCore and any started workers go too
             await self.shutdown()
             raise
-        if self.settings.enable_lora:
+        if self.settings.engine.lora.enabled:
             await self._warm_lora_kernels()
         self.startup_s["ready"] = time.time() - started
         log.info("vLLM engine ready in %.1fs (model %s, image token %s)", self.startup_s["ready"],
-                 self.settings.served_model_name, "wrapped" if self._wrap_image_token else "bare")
+                 self.settings.engine.served_model_name, "wrapped" if self._wrap_image_token else "bare")
 
     async def _warm_renderer(self) -> None:
         """Render one small page before taking traffic. vLLM builds the HF processor for a set of processor kwargs
@@ -278,15 +264,15 @@ class VLLMEngine:
                         "; ".join(self.lora_layer_differences))
         try:
             # the longest prefill one step can hold, with room for the two tokens generated
-            longest = min(llm.vllm_config.scheduler_config.max_num_batched_tokens, self.settings.max_model_len - 2)
+            longest = min(llm.vllm_config.scheduler_config.max_num_batched_tokens, self.settings.engine.max_model_len - 2)
             largest_graph = llm.vllm_config.compilation_config.max_cudagraph_capture_size  # None without graphs
-            shapes = kernel_shapes(self.model_dir, self.settings.max_lora_rank)
-            ranges = await asyncio.to_thread(config_ranges, shapes, self.settings.max_loras, longest, largest_graph)
+            shapes = kernel_shapes(self.model_dir, self.settings.engine.lora.max_lora_rank)
+            ranges = await asyncio.to_thread(config_ranges, shapes, self.settings.engine.lora.max_loras, longest, largest_graph)
             lengths = warmup_prompt_lengths(ranges)
             filler = self._tokenizer.encode(".", add_special_tokens=False)[0]
             with tempfile.TemporaryDirectory(prefix="ocr-lora-warmup-") as tmp:
                 path = write_lora_adapter(Path(tmp) / "warmup", self.model_dir, seed=0, std=0.0,
-                                          rank=self.settings.max_lora_rank, modules=LORA_MODULES)
+                                          rank=self.settings.engine.lora.max_lora_rank, modules=LORA_MODULES)
                 lora = LoRARequest("ocr-lora-warmup", WARMUP_LORA_ID, str(path))
                 try:
                     for length in lengths:  # one at a time: two prompts in one step would add up
@@ -308,7 +294,7 @@ class VLLMEngine:
 
     async def _render_page(self, llm: Any, prompt: str, request: EngineRequest) -> dict[str, Any]:
         """vLLM's engine input for one page: token ids and processed patches, from the render processes where
-        there are some (settings.preprocess_processes), else from vLLM's renderer threads in this process."""
+        there are some (settings.engine.vllm.preprocess_processes), else from vLLM's renderer threads in this process."""
         if self._render_pool is not None:
             return await self._render_pool.render(prompt, request, self._processor_kwargs())
         # pixels need no thread (one copy, well under a millisecond); a PNG decode would hold up this event loop
@@ -333,7 +319,7 @@ class VLLMEngine:
         return {"prompt": prompt, "multi_modal_data": {"image": image}, "mm_processor_kwargs": self._processor_kwargs()}
 
     def _processor_kwargs(self) -> dict[str, Any]:
-        return {"backend": self.settings.image_processor_backend}
+        return {"backend": self.settings.engine.vllm.image_processor_backend}
 
     async def shutdown(self) -> None:
         pool, self._render_pool = self._render_pool, None
@@ -356,8 +342,8 @@ class VLLMEngine:
         await self.generate(probe)
 
     async def info(self) -> EngineInfo:
-        return EngineInfo(name=self.name, model=self.settings.served_model_name, supported_tasks=sorted(TASKS),
-                          max_model_len=self.settings.max_model_len, adapters=await self.list_adapters(),
+        return EngineInfo(name=self.name, model=self.settings.engine.served_model_name, supported_tasks=sorted(TASKS),
+                          max_model_len=self.settings.engine.max_model_len, adapters=await self.list_adapters(),
                           image_transports=["pixels", "png"], image_processor=self._image_processor,
                           prompt_template_tokens=self._template_tokens)
 
@@ -370,7 +356,7 @@ class VLLMEngine:
 
     def render_prompt(self, user_text: str | None) -> str:
         """The full prompt: the model's chat template over one user turn (image, then text)."""
-        text = sanitize_user_text(user_text or "", self.settings.max_text_field_chars * 4)
+        text = sanitize_user_text(user_text or "", self.settings.limits.max_text_field_chars * 4)
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
         prompt = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if prompt.count(IMAGE_TOKEN) != 1:
@@ -404,16 +390,16 @@ class VLLMEngine:
             raise OCRError("unknown_adapter", f"adapter {name!r} does not exist")
         if name in self._registered:
             return self._registered[name]
-        if self.settings.adapters_dir is not None:
-            candidate = Path(self.settings.adapters_dir) / name
+        if self.settings.engine.lora.adapters_dir is not None:
+            candidate = Path(self.settings.engine.lora.adapters_dir) / name
             if (candidate / "adapter_config.json").is_file():
                 return str(candidate)
         raise OCRError("unknown_adapter", f"adapter {name!r} does not exist")
 
     async def list_adapters(self) -> list[str]:
         names = set(self._adapters) | set(self._registered)
-        if self.settings.adapters_dir is not None and Path(self.settings.adapters_dir).is_dir():
-            names |= {p.name for p in Path(self.settings.adapters_dir).iterdir()
+        if self.settings.engine.lora.adapters_dir is not None and Path(self.settings.engine.lora.adapters_dir).is_dir():
+            names |= {p.name for p in Path(self.settings.engine.lora.adapters_dir).iterdir()
                       if ADAPTER_NAME.match(p.name) and (p / "adapter_config.json").is_file()}
         return sorted(names)
 
@@ -426,7 +412,7 @@ class VLLMEngine:
         return [{"name": name, "loaded": name in loaded} for name in await self.list_adapters()]
 
     async def load_adapter(self, name: str, path: str | None = None) -> None:
-        if not self.settings.enable_lora:
+        if not self.settings.engine.lora.enabled:
             raise OCRError("unknown_adapter", "LoRA adapters are disabled on this service (enable_lora=false)")
         if path is not None:
             if not ADAPTER_NAME.match(name):
@@ -450,14 +436,14 @@ class VLLMEngine:
         """The LoRARequest of a loaded adapter, loading it (and evicting the least recently used one) if needed."""
         from vllm.lora.request import LoRARequest
 
-        if not self.settings.enable_lora:
+        if not self.settings.engine.lora.enabled:
             raise OCRError("unknown_adapter", "LoRA adapters are disabled on this service (enable_lora=false)")
         async with self._adapter_lock:
             adapter = self._adapters.get(name)
             if adapter is None:
                 path = self._adapter_path(name)
                 llm = self._require_llm()
-                while len(self._adapters) >= self.settings.max_adapters_per_replica:
+                while len(self._adapters) >= self.settings.engine.lora.max_adapters_per_replica:
                     _, evicted = self._adapters.popitem(last=False)
                     await llm.remove_lora(evicted.lora_int_id)
                     log.info("evicted adapter %s (LRU)", evicted.name)
@@ -498,17 +484,17 @@ class VLLMEngine:
             if exc.parameter not in ("input_tokens", "input_text"):
                 raise
             raise OCRError("prompt_too_long", f"the prompt's text alone exceeds the model's context of "
-                           f"{self.settings.max_model_len} tokens: send less text") from None
+                           f"{self.settings.engine.max_model_len} tokens: send less text") from None
         preprocess_ms = (time.perf_counter() - started) * 1000
         first_token_ms: float | None = None
         params = self.sampling_params(request)
         # the ingress plans with a bound on the text's tokens; this is the exact count. vLLM refuses a prompt that
         # fills the context with a ValueError (a 500); the output budget is what is left of it.
         prompt_len = len(engine_input.get("prompt_token_ids") or ())
-        room = self.settings.max_model_len - prompt_len
+        room = self.settings.engine.max_model_len - prompt_len
         if room < 1:
             raise OCRError("prompt_too_long", f"the prompt takes {prompt_len} tokens with the image; the model's "
-                           f"context holds {self.settings.max_model_len}: send less text or a smaller image")
+                           f"context holds {self.settings.engine.max_model_len}: send less text or a smaller image")
         if params.max_tokens > room:
             params.max_tokens = room
             params.min_tokens = min(params.min_tokens, room)
@@ -611,7 +597,7 @@ def _token_logprobs(completion, special_ids: set[int]) -> list[TokenLogprob]:
 
 def _make_guard(settings: Settings):
     """The RepetitionGuard of service/engine/repetition.py (None when disabled by min_chars = 0)."""
-    if settings.repetition_min_chars <= 0:
+    if settings.parsing.repetition_min_chars <= 0:
         return None
     from service.engine.repetition import RepetitionGuard
 

@@ -1,4 +1,4 @@
-"""Pages rendered for vLLM in worker processes (settings.preprocess_processes).
+"""Pages rendered for vLLM in worker processes (settings.engine.vllm.preprocess_processes).
 
 vLLM's renderer (tokenizer + HF image processor) runs in threads of the engine replica's process, under the one GIL
 that also turns the engine's outputs into tokens, logprobs and responses. At the ID-card bound on the H200 that

@@ -118,14 +118,14 @@ async def admit_openai_request(ctx: AppContext, caller: Principal, *, image: str
     req = OCRRequest.model_validate({"task": "text", "adapter": adapter, "max_tokens": max_tokens})
 
     def prompt() -> str:  # on the admission pool, paid for
-        return sanitize_user_text(user_text, s.max_text_field_chars) or TASKS["text"].prompt
+        return sanitize_user_text(user_text, s.limits.max_text_field_chars) or TASKS["text"].prompt
 
     page, headers = await admit_page(ctx, caller, req, image, id_prefix + uuid.uuid4().hex[:24], prompt_for=prompt,
                                      allow_pdf=False)
     engine_request = page.engine_request.model_copy(update={
         "logprobs": logprobs,
         "guided_json": guided_json,
-        "repetition_penalty": fields.repetition_penalty or s.repetition_penalty,
+        "repetition_penalty": fields.repetition_penalty or s.parsing.repetition_penalty,
         "min_tokens": min(max(page.engine_request.min_tokens, fields.min_tokens), page.engine_request.max_tokens),
         "ignore_eos": page.engine_request.ignore_eos or fields.ignore_eos,
     })
@@ -199,7 +199,7 @@ async def _streaming_response(ctx: AppContext, engine_request: EngineRequest, fr
     """The SSE response, once the first chunk is there: a failure before it is an ordinary error response."""
     include_usage = bool(stream_options and stream_options.include_usage)
     events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
-                                         ctx.settings.request_timeout_s)
+                                         ctx.settings.server.request_timeout_s)
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
@@ -209,9 +209,9 @@ async def _streaming_response(ctx: AppContext, engine_request: EngineRequest, fr
              responses=openapi_error_responses())
 async def chat_completions(request: Request, ctx: AppContext = Depends(app_context),
                            caller: Principal = Depends(principal)):
-    req = await read_json_model(await request.body(), ChatCompletionRequest, ctx.settings.max_json_items, chat_shape)
+    req = await read_json_model(await request.body(), ChatCompletionRequest, ctx.settings.limits.max_json_items, chat_shape)
     check_extensions(req, caller)
-    image, text = chat_inputs(req, ctx.settings.max_text_field_chars)
+    image, text = chat_inputs(req, ctx.settings.limits.max_text_field_chars)
     guided = await guided_json_of(ctx, req.response_format)
     engine_request, headers, model = await admit_openai_request(
         ctx, caller, image=image, user_text=text, model=req.model,
@@ -248,7 +248,7 @@ async def chat_completions(request: Request, ctx: AppContext = Depends(app_conte
              responses=openapi_error_responses())
 async def completions(request: Request, ctx: AppContext = Depends(app_context),
                       caller: Principal = Depends(principal)):
-    req = await read_json_model(await request.body(), CompletionRequest, ctx.settings.max_json_items)
+    req = await read_json_model(await request.body(), CompletionRequest, ctx.settings.limits.max_json_items)
     check_extensions(req, caller)
     if req.echo:
         raise OCRError("invalid_request", "echo is not supported")
@@ -257,7 +257,7 @@ async def completions(request: Request, ctx: AppContext = Depends(app_context),
         if len(prompt) != 1:
             raise OCRError("invalid_request", "exactly one prompt per request")
         prompt = prompt[0]
-    check_prompt_length(prompt, ctx.settings.max_text_field_chars, "prompt")
+    check_prompt_length(prompt, ctx.settings.limits.max_text_field_chars, "prompt")
     want_logprobs = req.logprobs is not None
     engine_request, headers, model = await admit_openai_request(
         ctx, caller, image=req.image, user_text=prompt, model=req.model, max_tokens=req.max_tokens,

@@ -1,6 +1,6 @@
 """LoRA adapters: `GET /v1/adapters` (anyone) and the admin endpoints `POST /v1/adapters/{name}/load|unload`.
 
-Adapters live in `settings.adapters_dir` (one sub-directory per adapter, name = directory name) or are registered at
+Adapters live in `settings.engine.lora.adapters_dir` (one sub-directory per adapter, name = directory name) or are registered at
 run time with an admin load that names a path. Requests pick one with `adapter` (/v1/ocr) or OpenAI `model`; Serve
 model multiplexing routes them to replicas that already hold it. Load/unload act on the replica the call reaches
 (adapters load lazily on every other replica at their first request).

@@ -79,10 +79,10 @@ async def _read_form(request: Request, settings: Settings) -> tuple[dict[str, st
     if content_type != "multipart/form-data":
         raise OCRError("unsupported_media_type", "POST /v1/jobs takes multipart/form-data with `file` parts")
     try:
-        form = await request.form(max_files=settings.max_pdf_pages + 1, max_fields=32)
+        form = await request.form(max_files=settings.jobs.max_pages + 1, max_fields=32)
     except Exception as exc:  # starlette raises various errors for malformed multipart
         if "too many files" in str(exc).lower():
-            raise OCRError("too_many_pages", f"at most {settings.max_pdf_pages} images per job") from exc
+            raise OCRError("too_many_pages", f"at most {settings.jobs.max_pages} images per job") from exc
         raise OCRError("invalid_request", "malformed multipart body") from exc
     fields: dict[str, str] = {}
     files: list[bytes] = []
@@ -93,8 +93,8 @@ async def _read_form(request: Request, settings: Settings) -> tuple[dict[str, st
                 raise OCRError("invalid_request", "`file` must be a file part")
             data = await value.read()
             total += len(data)
-            if total > settings.max_pdf_bytes:
-                raise OCRError("payload_too_large", f"the job's files exceed {settings.max_pdf_bytes} bytes")
+            if total > settings.jobs.max_bytes:
+                raise OCRError("payload_too_large", f"the job's files exceed {settings.jobs.max_bytes} bytes")
             files.append(data)
         elif isinstance(value, str):
             fields[key] = value
@@ -127,7 +127,7 @@ async def create_job(request: Request, ctx: AppContext = Depends(app_context), c
     webhook_url = fields.get("webhook", "").strip()
     webhook = await validate_webhook(webhook_url, settings) if webhook_url else None
     pages_spec = fields.get("pages")
-    req = request_from_form_fields({k: v for k, v in fields.items() if k not in JOB_FIELDS}, settings.max_json_items)
+    req = request_from_form_fields({k: v for k, v in fields.items() if k not in JOB_FIELDS}, settings.limits.max_json_items)
     setattr(request.state, STATE_TASK, req.task)
     if req.image or req.stream:
         raise OCRError("invalid_request", "jobs take `file` parts (no `image`) and stream via /events")
@@ -137,7 +137,7 @@ async def create_job(request: Request, ctx: AppContext = Depends(app_context), c
         if len(files) != 1:
             raise OCRError("invalid_request", "send one PDF per job, or images only")
     else:
-        numbers = parse_page_range(pages_spec, len(files), settings.max_pdf_pages)
+        numbers = parse_page_range(pages_spec, len(files), settings.jobs.max_pages)
     record, headers = await runner.submit(caller, req, engine, files, numbers, pages_spec,
                                           _truthy(fields.get("return_page_images")), webhook)
     accepted = JobAccepted(id=record.id, status=record.status, pages_total=len(record.pages), pages=record.pages,

@@ -86,7 +86,7 @@ async def read_ocr_request(request: Request, settings: Settings) -> tuple[OCRReq
             if not isinstance(value, str):
                 raise OCRError("invalid_request", f"form field {key!r} must be text")
             fields[key] = value
-        model = request_from_form_fields(fields, settings.max_json_items)
+        model = request_from_form_fields(fields, settings.limits.max_json_items)
         if model.image:
             raise OCRError("invalid_request", "send the image either as `file` or as `image`, not both")
         if not data:
@@ -97,7 +97,7 @@ async def read_ocr_request(request: Request, settings: Settings) -> tuple[OCRReq
     body = await request.body()
     if not body:
         raise OCRError("empty_image", "the request body is empty")
-    model = await read_json_model(body, OCRRequest, settings.max_json_items)  # strict types, work bounded first
+    model = await read_json_model(body, OCRRequest, settings.limits.max_json_items)  # strict types, work bounded first
     if not model.image:
         raise OCRError("empty_image", "the `image` field is missing or empty")
     return model, model.image
@@ -113,7 +113,7 @@ async def ocr(request: Request, ctx: AppContext = Depends(app_context), caller: 
     model = req.adapter or (await ctx.get_engine_info()).model
     if req.stream:
         events = await first_event_then_rest(_sse_events(stream_page(ctx, req, page, model=model, started=started)),
-                                             ctx.settings.request_timeout_s)
+                                             ctx.settings.server.request_timeout_s)
         return StreamingResponse(events, headers=headers, media_type="text/event-stream")
     response = await recognise(ctx, req, page, model=model, started=started)
     return JSONResponse(response.model_dump(mode="json"), headers=headers)

@@ -66,7 +66,7 @@ async def config(request: Request, ctx: AppContext = Depends(app_context)):
     tasks = [{"name": t.name, "description": t.description, "output": t.output,
               "supported": t.name in info.supported_tasks} for t in TASKS.values()]
     return JSONResponse({"engine": info.name, "model": info.model, "tasks": tasks, "adapters": adapters,
-                         "max_pdf_pages": ctx.settings.max_pdf_pages, "auth_required": auth_required,
+                         "max_pdf_pages": ctx.settings.jobs.max_pages, "auth_required": auth_required,
                          "authenticated": principal is not None},
                         headers={"Cache-Control": "no-cache"})
 

@@ -88,27 +88,23 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
 {{- $as := .Values.autoscaling -}}
 {{- /* replica counts in values are worker pods (GPUs); Serve counts engine replicas, replicasPerGpu per pod */ -}}
 {{- $perGpu := int (default 1 .Values.engine.replicasPerGpu) -}}
+{{- $deployment := deepCopy (default (dict) .Values.settings.engine_deployment) -}}
+{{- $scaling := dict -}}
 {{- if $as.enabled -}}
-{{- $_ := set $args "min_replicas" (mul (int $as.minReplicas) $perGpu) -}}
-{{- $_ := set $args "max_replicas" (mul (int $as.maxReplicas) $perGpu) -}}
-{{- if not (kindIs "invalid" $as.initialReplicas) -}}{{- $_ := set $args "initial_replicas" (mul (int $as.initialReplicas) $perGpu) -}}{{- end -}}
-{{- $_ := set $args "target_ongoing_requests" $as.targetOngoingRequests -}}
-{{- $_ := set $args "upscale_delay_s" $as.upscaleDelaySeconds -}}
-{{- $_ := set $args "downscale_delay_s" $as.downscaleDelaySeconds -}}
-{{- $_ := set $args "autoscaling_look_back_s" $as.lookBackPeriodSeconds -}}
-{{- $_ := set $args "autoscaling_metrics_interval_s" $as.metricsIntervalSeconds -}}
+{{- $scaling = dict "min_replicas" (mul (int $as.minReplicas) $perGpu) "max_replicas" (mul (int $as.maxReplicas) $perGpu) "target_ongoing_requests" $as.targetOngoingRequests "upscale_delay_s" $as.upscaleDelaySeconds "downscale_delay_s" $as.downscaleDelaySeconds "look_back_period_s" $as.lookBackPeriodSeconds -}}
+{{- if not (eq (toString $as.metricsIntervalSeconds) "10") -}}{{- $_ := set $scaling "metrics_interval_s" $as.metricsIntervalSeconds -}}{{- end -}}
+{{- if not (kindIs "invalid" $as.initialReplicas) -}}{{- $_ := set $scaling "initial_replicas" (mul (int $as.initialReplicas) $perGpu) -}}{{- end -}}
 {{- $_ := set $args "latency_target_ms" $as.latencyTargetMs -}}
 {{- $_ := set $args "latency_downscale_ratio" $as.latencyDownscaleRatio -}}
 {{- else -}}
-{{- $_ := set $args "min_replicas" (mul (int .Values.engine.replicas) $perGpu) -}}
-{{- $_ := set $args "max_replicas" (mul (int .Values.engine.replicas) $perGpu) -}}
+{{- $scaling = dict "min_replicas" (mul (int .Values.engine.replicas) $perGpu) "max_replicas" (mul (int .Values.engine.replicas) $perGpu) -}}
 {{- end -}}
-{{- if gt $perGpu 1 -}}
-{{- $_ := set $args "engine_num_gpus" (divf 1 $perGpu) -}}
-{{- else -}}
-{{- $_ := set $args "engine_num_gpus" (int .Values.engine.gpusPerReplica) -}}
-{{- end -}}
-{{- $_ := set $args "engine_num_cpus" .Values.engine.rayCpusPerReplica -}}
+{{- /* the chart's replica counts and resources win over the same keys in settings.engine_deployment */ -}}
+{{- $_ := set $deployment "autoscaling_config" (merge $scaling (default (dict) $deployment.autoscaling_config)) -}}
+{{- $gpus := ternary (divf 1 $perGpu) (int .Values.engine.gpusPerReplica) (gt $perGpu 1) -}}
+{{- $actor := dict "num_gpus" $gpus "num_cpus" .Values.engine.rayCpusPerReplica -}}
+{{- $_ := set $deployment "ray_actor_options" (merge $actor (default (dict) $deployment.ray_actor_options)) -}}
+{{- $_ := set $args "engine_deployment" $deployment -}}
 {{- if eq (default "embedded" .Values.settings.engine) "vllm" -}}
 {{- $_ := set $args "model" .Values.model.path -}}
 {{- end -}}
