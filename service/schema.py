@@ -28,7 +28,7 @@ class OCRRequest(BaseModel):
     stream: bool = Field(False, description="Send Server-Sent Events: partial output, then the final result.")
     confidence: bool = Field(
         True, description="Compute confidences from the sampled tokens' logprobs. `false`: the VLM engine is not "
-        "asked for logprobs, which saves GPU time (docs/BENCHMARKS.md), and the confidences that come from them "
+        "asked for logprobs, which saves GPU time (docs/design/engine-settings.md), and the confidences that come from them "
         "are null (the embedded engine's own scores, per line and for the document, cost nothing and stay)."
     )
     include_raw: bool = Field(

@@ -19,43 +19,25 @@ APP_NAME = "ocr"
 
 # Read by Ray at import time: a single-node cluster then binds its node IP to 127.0.0.1 instead of the host's address.
 LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# Ray Serve's throughput-optimized mode (Ray >= 2.55): gRPC between deployments instead of the object store, user
-# code on each replica's own event loop instead of a second thread, GC frozen after start-up. Our default (Ray's is
-# off): on the H200 the engine replica's image work at 128 ID cards in flight took a third of the time, and the
-# service served 1.14x as many (docs/BENCHMARKS.md, eighth session). Every Ray process reads it when it imports
-# Serve, so it is set before Ray starts; RAY_SERVE_THROUGHPUT_OPTIMIZED=0 in the environment keeps Ray's standard
-# mode (the Helm chart: values `rayServeThroughputOptimized`).
-# The mode also has each ingress replica serve HTTP on a port of its own ("direct ingress", for load balancers that
-# target replicas) and hold a stopping ingress replica open 30 s so such a balancer can deregister it. Our traffic
-# goes through the Serve proxy (on one node; in a cluster the mode leaves the proxy on the head only, which the Helm
-# chart handles), and the CLI drains in-flight requests itself: the wait only made every stop 26 s longer (6 -> 32 s
-# with the mock engine), so it is 0 here, as in the Helm chart when it runs the proxy actor.
-# In that mode each request crosses to a replica as one gRPC message, and Ray 2.60 keeps gRPC's 4 MiB default for
-# what a replica receives: an upload over 4 MiB (of the 20 MiB max_body_bytes allows) or an A4 page as pixels
-# (engine_image_transport: pixels, 6.4 MB) was a 500. The limit is raised above the largest body setting allows
-# (settings.limits.max_body_bytes ≤ 256 MiB) and the largest page of pixels (4096² × 3 = 48 MiB).
+# Ray Serve's throughput-optimized mode, on unless the environment sets RAY_SERVE_THROUGHPUT_OPTIMIZED=0: every Ray
+# process reads it when it imports Serve, so it is set before Ray starts. Behind Serve's proxy the CLI drains
+# requests itself, so direct ingress's 30 s hold of a stopping replica is 0; a request crosses to a replica as one
+# gRPC message, so the message limit is above the largest body (max_body_bytes ≤ 256 MiB) and page of pixels
+# (4096² × 3 = 48 MiB). docs/design/serve-mode.md.
 REPLICA_MAX_MESSAGE_BYTES = 320 * 1024 * 1024
 SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
                   "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(REPLICA_MAX_MESSAGE_BYTES)}
-# RAY_SERVE_ENABLE_HA_PROXY=1 (opt-in here, the Helm chart's default): HAProxy, which ray[serve] ships, takes the
-# client's HTTP in place of Serve's Python proxy actor and forwards it to the ingress replicas' own ports, so the
-# ingress no longer fetches the request body back from the proxy. On the H200 it took 7.5 ms per ID card off the
-# time outside the engine (docs/BENCHMARKS.md, thirteenth session). Here it stays opt-in: beside a laptop's CPU
-# engine those milliseconds do not matter, and its errors without an ingress replica answer 500 where the proxy
-# answers 503. Its stats page and Prometheus exporter bind fixed ports (8404, 9101); here each gets a free port
-# unless the environment names one, so two services on one machine do not collide.
+# HAProxy in front of the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1) is the chart's default and opt-in here
+# (docs/design/http-front-end.md). Its stats page and exporter bind fixed ports (8404, 9101): here each gets a free
+# port unless the environment names one, so two services on one machine do not collide.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 # HAProxy runs through service/serve/haproxy.py, which gives it the edge's header cap and header timeout and binds
 # its stats page and exporter to the API's address (Ray's configuration binds them to every interface): Ray runs the
 # binary RAY_SERVE_HAPROXY_BINARY_PATH names, here a shim that runs that module with this interpreter.
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
-# Ray starts its worker processes (our replicas, and the vLLM EngineCore a replica starts) at nice 15, so that its
-# own daemons stay responsive on a busy node. Linux ranks by nice value within a session (autogroup; machine-wide
-# without it), so beside busy processes of the same session, such as a CI job's or a container's other work, a
-# replica got about 1/28 of their CPU each: an ID card that took 0.47 s on a quiet machine took 33 s beside four
-# busy loops on two CPUs, 70x (1.6 s, 3.8x, at nice 0; `bench cpu --parts busy`, docs/BENCHMARKS.md). Here the
-# service runs at the priority of the command that started it; RAY_worker_niceness in the environment still wins.
-# Kubernetes pods (the Helm chart) keep Ray's 15: there the neighbours are Ray's own processes.
+# Ray starts its workers at nice 15; here the replicas run at the priority of the command that started them, so a
+# busy neighbour of the same session does not starve them (RAY_worker_niceness in the environment still wins).
+# Kubernetes pods keep Ray's 15. docs/design/worker-priority.md.
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 

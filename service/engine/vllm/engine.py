@@ -230,14 +230,11 @@ class VLLMEngine:
     async def _warm_lora_kernels(self) -> None:
         """With LoRA slots on, run short generations through a zero adapter on every linear module before taking
         traffic. vLLM compiles its Triton LoRA kernels on first use, per block config and per class of the step's
-        token count, and its own warm-up leaves most of them out: on the H200 a fresh engine's first adapter request
-        (a 2,231-token prompt) took 3.9 s against 0.6 s repeated, with 6 kernels compiled (docs/BENCHMARKS.md,
-        twenty-third session). Every token count residue mod 16 in every range of token counts with one config
-        choice and one way of running (CUDA graph or eager; service.engine.vllm.lora) covers them. With vLLM's
-        default configs that was 32 prompts in 2.5 s on the H200, and no request compiled a kernel after it; with
-        tuned configs (`VLLM_TUNED_CONFIG_FOLDER`) 200 prompts in 27-29 s, where a warm-up of one range had let 7
-        kernels compile during traffic (twenty-sixth session; the split where the graphs end came after, 33 and
-        216 prompts). A prompt of n tokens makes one prefill step of n tokens, so the prompts are token ids, no image
+        token count, and its own warm-up leaves most of them out, so a fresh engine's first adapter requests would
+        wait for compiles (docs/design/lora.md). Every token count residue mod 16 in every range of token counts
+        with one config choice and one way of running (CUDA graph or eager; service.engine.vllm.lora) covers them:
+        32 prompts in 2.5 s with vLLM's default configs on the H200, after which no request compiled a kernel.
+        A prompt of n tokens makes one prefill step of n tokens, so the prompts are token ids, no image
         (the vision tower has no LoRA layers). The adapter takes a slot only while this runs. A failure costs users
         the compile, not the replica: it is logged and start-up goes on. The kernel shapes assume that vLLM packs
         q/k/v and gate/up into one LoRA layer each; the engine's worker says which layers it built, and a difference

@@ -5,9 +5,8 @@ by the step's token count: from its built-in default (two configs for shrink, sp
 files (`VLLM_TUNED_CONFIG_FOLDER`, the nearest tuned token count). Triton compiles one variant per config and per
 class of the integer arguments (the token count's divisibility), on first use. Steps up to the largest CUDA-graph
 size run in graphs captured at start-up; longer ones run eagerly, so a config first picked there compiles while
-users wait: on the H200, tuned files made 7 kernels compile during two measured runs, whose p95 rose to 1.3 and
-1.7 s (docs/BENCHMARKS.md, twenty-sixth session). The engine's warm-up therefore runs one prompt length per token
-count residue in every range of token counts over which vLLM's choice stays the same (`warmup_prompt_lengths`).
+users wait (docs/design/lora.md). The engine's warm-up therefore runs one prompt length per token count residue in
+every range of token counts over which vLLM's choice stays the same (`warmup_prompt_lengths`).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from pathlib import Path
 PACKED_LAYERS = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("o_proj", ("o_proj",)),
                  ("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",)))
 # Triton specialises integer arguments on divisibility by 16, and the kernels' addresses on alignment: every token
-# count mod 16 covers the classes (the twenty-third session saw one length compile kernels that a length of
-# another residue had not)
+# count mod 16 covers the classes (one length compiled kernels that a length of another residue had not)
 TOKEN_RESIDUES = 16
 
 

@@ -1,14 +1,11 @@
 """Pages rendered for vLLM in worker processes (settings.engine.vllm.preprocess_processes).
 
 vLLM's renderer (tokenizer + HF image processor) runs in threads of the engine replica's process, under the one GIL
-that also turns the engine's outputs into tokens, logprobs and responses. At the ID-card bound on the H200 that
-process is busy on one core and a page waits 70 ms of its 400 ms there (docs/BENCHMARKS.md). This pool runs the
-same renderer, built from the engine's own VllmConfig, in N spawned processes: each decodes the page, renders the
-prompt and returns vLLM's engine input (token ids, processed patches), which the replica hands to
-`AsyncLLM.generate` as before. The replica then only unpickles the patches. On the H200 four processes per engine
-served 0.96-1.19x the ID cards/s with two engines per GPU but 0.76-0.99x with one, and 0.92x for A4 pages (a worker
-renders one page at a time): off by default (docs/BENCHMARKS.md, thirtieth session). Eight with one engine: 1.02-1.29x
-the ID cards/s, 0.94-0.99x the A4 pages/s (thirty-fourth and thirty-seventh sessions).
+that also turns the engine's outputs into tokens, logprobs and responses. This pool runs the same renderer, built
+from the engine's own VllmConfig, in N spawned processes: each decodes the page, renders the prompt and returns
+vLLM's engine input (token ids, processed patches), which the replica hands to `AsyncLLM.generate` as before. The
+replica then only unpickles the patches. It pays for small pages and loses for A4 pages (a worker renders one page
+at a time), so it is off by default (docs/design/engines-per-gpu.md).
 
 Two things make a worker's output safe to mix with other workers':
 - vLLM names each image `renderer{rank}-mm-{n}` when its caches are off, and keys the encoder's output by that name.
