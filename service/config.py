@@ -726,6 +726,14 @@ LEGACY_NAMES: dict[str, tuple[tuple[str, ...], Callable[[Any], Any], dict[str, A
 LEGACY_MERGED = {"vllm_extra_args": ("engine", "vllm", "engine_kwargs")}
 
 
+def _get(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
 def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
         node = tree.get(key)
@@ -752,7 +760,12 @@ def nest(data: dict[str, Any]) -> dict[str, Any]:
             flat.append((key, value))
     for key, value in flat:
         if key in names:
-            _set(out, names[key][0], value)
+            path = names[key][0]
+            existing = _get(out, path)
+            # an object merges with what nested names or older names set inside it (OCR_ENGINE_KWARGS and
+            # OCR_ENGINE__VLLM__ENGINE_KWARGS__STREAM_INTERVAL both apply)
+            _set(out, path, _merge(value, existing) if isinstance(value, dict) and isinstance(existing, dict)
+                 else value)
         elif key in LEGACY_NAMES:
             path, convert, _ = LEGACY_NAMES[key]
             if value is not None and value != "":
