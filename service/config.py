@@ -812,12 +812,15 @@ class OCREnvSource(PydanticBaseSettingsSource):
 
 
 def read_env(environ: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
-    """The settings the environment sets (flat and older names, nested paths as nested dicts) and the `OCR_*`
-    variables that name no setting."""
+    """The settings the environment sets, nested (flat names at their paths; older names kept flat for `nest`), and
+    the `OCR_*` variables that name no setting. Objects set by a flat name and keys set inside them by nested names
+    merge, the nested ones winning."""
     names = flat_names()
     values: dict[str, Any] = {}
+    older: dict[str, Any] = {}
     unknown: list[str] = []
-    for var, raw in environ.items():
+    # flat names first, nested paths after: the more specific name wins
+    for var, raw in sorted(environ.items(), key=lambda item: NESTED_DELIMITER in item[0]):
         if not var.startswith(ENV_PREFIX):
             continue
         key = var[len(ENV_PREFIX):].lower()
@@ -827,14 +830,21 @@ def read_env(environ: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
             if info is None:
                 unknown.append(var)
                 continue
-            _set(values, path, _env_value(raw, info))
+            _put(values, path, _env_value(raw, info))
         elif key in names:
-            values[key] = _env_value(raw, names[key][1])
+            path, info = names[key]
+            _put(values, path, _env_value(raw, info))
         elif key in LEGACY_NAMES or key in LEGACY_MERGED:
-            values[key] = raw
+            older[key] = raw
         else:
             unknown.append(var)
-    return values, sorted(unknown)
+    return {**values, **older}, sorted(unknown)
+
+
+def _put(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """`_set`, merging an object into one already there."""
+    existing = _get(tree, path)
+    _set(tree, path, _merge(existing, value) if isinstance(existing, dict) and isinstance(value, dict) else value)
 
 
 def _field_at(path: tuple[str, ...]) -> FieldInfo | None:

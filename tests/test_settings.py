@@ -61,6 +61,18 @@ def test_nested_names_and_flat_names_are_one_setting(monkeypatch):
     assert Settings.model_validate(s.model_dump()) == s
 
 
+def test_a_flat_object_and_keys_inside_it_merge_beside_the_engine_kind(monkeypatch):
+    """OCR_ENGINE (the kind) shares its name with the engine section; nested variables inside the section still
+    apply, and keys set inside an object by nested names win over the object's own."""
+    monkeypatch.setenv("OCR_ENGINE", "mock")
+    monkeypatch.setenv("OCR_ENGINE_KWARGS", '{"dtype": "float16", "seed": 2}')
+    monkeypatch.setenv("OCR_ENGINE__VLLM__ENGINE_KWARGS__SEED", "7")
+    monkeypatch.setenv("OCR_ENGINE__EMBEDDED__THREADS", "3")
+    s = Settings()
+    assert s.engine.kind == "mock" and s.engine.embedded.threads == 3
+    assert s.engine.vllm.engine_kwargs == {"dtype": "float16", "seed": 7}
+
+
 def test_older_names_set_what_replaced_them(monkeypatch):
     monkeypatch.setenv("OCR_DTYPE", "bfloat16")
     monkeypatch.setenv("OCR_VLLM_EXTRA_ARGS", '{"seed": 3}')
