@@ -38,7 +38,7 @@ ENUM_SCHEMA = {
 def e2e_url(vllm_url, vllm_settings) -> str:
     """The session's vLLM deployment; its settings carry the structured-output config and the guided retry."""
     assert vllm_settings["extraction_guided_retry"] is True
-    assert vllm_settings["vllm_extra_args"]["structured_outputs_config"] == STRUCTURED_OUTPUTS["structured_outputs_config"]
+    assert vllm_settings["engine_kwargs"]["structured_outputs_config"] == STRUCTURED_OUTPUTS["structured_outputs_config"]
     return vllm_url
 
 
