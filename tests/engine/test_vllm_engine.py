@@ -197,13 +197,13 @@ def test_unknown_adapter_is_404(vllm_url):
 
 def test_each_page_budgets_the_context_for_its_own_prompt(vllm_url, vllm_settings):
     """The context budget counts each request's own prompt. 1.5's doc_parse prompt is about 200 tokens with the
-    kit's tokenizer. With the old fixed allowance (160 tokens for any prompt) an A4 page asked for `document` filled
-    the 2,048-token context, and vLLM refused it: a 500. A longer chat message shrinks the page further. A message
+    kit's tokenizer. With a fixed allowance (160 tokens for any prompt) an A4 page asked for `document` would fill
+    the 2,048-token context, and vLLM would refuse it: a 500. A longer chat message shrinks the page further. A message
     that leaves no room even for the smallest page is a 400 before the engine."""
     context = vllm_settings["max_model_len"]
     page = render_document(["Invoice 2026", "Total 1,234.56"])  # A4 at 150 dpi: 1240×1754
-    # 32 output tokens: the old allowance then planned 1,852 image tokens, and 1,852 + 208 > 2,048 (with 8 the
-    # 32-pixel grid happened to leave room)
+    # 32 output tokens: a fixed allowance would plan 1,852 image tokens, and 1,852 + 208 > 2,048 (with 8 the
+    # 32-pixel grid happens to leave room)
     resp = httpx.post(vllm_url + "/v1/ocr", json={"image": page.b64(), "task": "document", "max_tokens": 32},
                       timeout=300)
     assert resp.status_code == 200, resp.text
@@ -225,7 +225,8 @@ def test_each_page_budgets_the_context_for_its_own_prompt(vllm_url, vllm_setting
 def engine_core_pids(deployment: str = ENGINE_DEPLOYMENT) -> list[int]:
     """vLLM EngineCore processes of the deployment's replicas: the replica workers' child processes (the
     replicas' PIDs from Ray's actor table), less multiprocessing's resource tracker. By process title alone
-    (`VLLM::EngineCore`, among this process's descendants) CI once found none for 30 s while the engine answered."""
+    (`VLLM::EngineCore`, among this process's descendants) a new EngineCore can go without it for 30 s while it
+    answers."""
     import psutil
 
     found = []

@@ -189,7 +189,7 @@ async def test_lora_kernels_are_warmed_up_before_traffic(tiny_model_dir, tmp_pat
     """With LoRA slots on, start() runs prompts through a zero adapter on all seven linear modules of the text
     model, every length mod 16 in each range of token counts where vLLM keeps one kernel config, then frees its
     slot. On the GPU, vLLM compiles its Triton LoRA kernels on first use, per config and length class: a fresh
-    engine's first adapter request took 3.9 s against 0.6 s repeated (docs/BENCHMARKS.md, twenty-third session).
+    engine's first adapter request took 3.9 s against 0.6 s repeated (docs/design/lora.md).
     Here: the warm-up ran, covered every residue and left nothing loaded; vLLM applies each module such an adapter
     names (each alone moves the logprobs), so the warm-up reaches every LoRA layer; the zero adapter changes
     nothing; a failing warm-up is logged and the engine serves on."""

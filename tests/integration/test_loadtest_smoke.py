@@ -124,8 +124,8 @@ def test_limiter_benchmark_decides_with_redis_and_in_process(tmp_path):
 @pytest.mark.ray
 def test_a_terminated_benchmark_stops_the_service_it_started(tmp_path):
     """`timeout` (SIGTERM) on a benchmark must not leave its server behind: the server runs in its own session, out of
-    reach of the signal, so the benchmark has to stop it on the way out. (A killed `bench gpu --tiny` once left a
-    vLLM engine holding 2 GB of a CI machine.)"""
+    reach of the signal, so the benchmark has to stop it on the way out (a `bench gpu --tiny` left behind holds a
+    vLLM engine of 2 GB)."""
     import os
     import signal
     import sys

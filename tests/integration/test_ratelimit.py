@@ -145,10 +145,10 @@ async def test_redis_killed_fail_open_uses_the_replica_share_and_recovers(redis_
 
 async def test_a_restart_leaves_no_stale_pooled_connection_to_fail_later_requests(redis_server):
     """Requests in flight together leave several connections in the client's pool. A Redis restart makes each of
-    them stale, and each would fail once on its next use. Without a retry, the first requests after recovery failed
-    on them, and the limiter flapped back to the local bucket (CI, 2026-12-01:
-    `test_redis_killed_under_steady_load_no_5xx_and_back_on_redis` got the replica share after recovery). One retry
-    on a fresh connection keeps them on the shared bucket."""
+    them stale, and each would fail once on its next use. Without a retry, the first requests after recovery fail
+    on them, and the limiter flaps back to the local bucket (the replica share after recovery, in
+    `test_redis_killed_under_steady_load_no_5xx_and_back_on_redis`). One retry on a fresh connection keeps them on
+    the shared bucket."""
     errors: list[BaseException] = []
     limiter = FailoverLimiter(RedisTokenBucket.from_url(redis_server.url, timeout_s=0.5), fail_mode="open",
                               replicas=2, probe_interval_s=0.2, on_backend_error=errors.append)

@@ -45,8 +45,8 @@ def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwis
         assert len(page) > 6 * 1024 * 1024
         resp = httpx.post(url + "/v1/ocr", files={"file": ("noise.png", page, "image/png")}, timeout=120)
         assert resp.status_code == 200, resp.text
-        # our loggers write to the replicas' log files, with their level, in every mode (a warning used to arrive
-        # only through Serve's capture of stderr, as INFO; INFO records not at all): the CLI says where they are
+        # our loggers write to the replicas' log files, with their level, in every mode (through Serve's capture of
+        # stderr alone a warning arrives as INFO, an INFO record not at all): the CLI says where they are
         logs_dir = re.search(r"replica logs in (\S+)", (tmp_path / "serve.log").read_text())
         assert logs_dir, proc.tail()
         ingress_log = "".join(f.read_text() for f in Path(logs_dir.group(1)).glob("replica_ocr_OCRIngress_*.log"))

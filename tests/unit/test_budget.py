@@ -36,7 +36,7 @@ def test_prompt_token_bound_counts_utf8_bytes_over_the_template():
     assert prompt_token_bound("Total", 5) == 5 + 5
     assert prompt_token_bound("发票", 5) == 5 + 6  # three bytes a character
     assert prompt_token_bound(None) == prompt_token_bound("") == TEMPLATE_TOKENS  # no measured template
-    # 1.5's doc_parse prompt is longer than the old fixed 160-token allowance for every prompt
+    # 1.5's doc_parse prompt is longer than a fixed 160-token allowance for every prompt would be
     assert prompt_token_bound(HUNYUAN_15_PROMPTS["doc_parse"], 5) > PROMPT_OVERHEAD_TOKENS
 
 

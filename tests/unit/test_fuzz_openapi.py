@@ -2,7 +2,7 @@
 fixed seed. Every response must be a non-5xx that conforms to the documented schema (status, content type, body).
 
 The app runs in-process around the mock engine (the layers above the engine seam are what the fuzzer exercises; the
-real-engine hostile inputs are tests/test_hostile_inputs.py), so the whole run takes seconds.
+real-engine hostile inputs are tests/integration/test_hostile_inputs.py), so the whole run takes seconds.
 """
 
 from __future__ import annotations

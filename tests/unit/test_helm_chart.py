@@ -278,7 +278,7 @@ def test_redis_modes(chart_renders):
 
 def test_serve_mode_and_front_end_are_set_on_every_ray_container():
     """Every Ray process reads the Serve mode and front-end variables when it starts: head and workers must agree.
-    Where the front ends then run is checked against a real Ray cluster in tests/test_helm_front_end.py."""
+    Where the front ends then run is checked against a real Ray cluster in tests/integration/test_helm_front_end.py."""
     def modes(objects):
         cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
         pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]

@@ -207,7 +207,7 @@ async def test_a_pdf_job_stops_at_its_documents_cpu_budget():
 
 
 async def test_a_jobs_decoded_pixels_are_budgeted_from_the_headers_before_any_decode(monkeypatch):
-    """thirteen 6300² PNGs (516 MP, 0.7 MB on the wire) pass every per-image check, and together exceed
+    """Thirteen 6300² PNGs (516 MP, 0.7 MB on the wire) pass every per-image check, and together exceed
     `max_request_pixels` (500 MP): 413 `too_many_pixels`, nothing decoded."""
     from service import imaging as images_module
     from service.engine.mock import MockEngine

@@ -33,7 +33,7 @@ def test_documents_have_requested_size_and_text():
 
 def test_locust_csv_counts_answers_that_arrive_during_the_stop_timeout(tmp_path):
     """Every request in flight at `--run-time` ends during `--stop-timeout`; Locust printed those answers but left
-    them out of its CSV (CI once found an empty CSV after a 20 s run whose single request took longer). A stand-in
+    them out of its CSV (an empty CSV after a 20 s run whose single request took longer). A stand-in
     server answers each OCR request after 4 s; a 2 s run must still count its answer in the CSV."""
     import threading
     import time

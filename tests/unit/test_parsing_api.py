@@ -1,5 +1,5 @@
 """The OCR tasks through the API layer with the mock engine (upper layers only; the real engine is in
-tests/test_tasks_e2e.py): the documented prompt reaches the engine, responses match the OpenAPI schema, streaming
+tests/engine/test_tasks_e2e.py): the documented prompt reaches the engine, responses match the OpenAPI schema, streaming
 events, raw output, schema errors, guided retries, repetition cut-offs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Confidence arithmetic and token ↔ character alignment (the real-engine check is in tests/test_tasks_e2e.py)."""
+"""Confidence arithmetic and token ↔ character alignment (the real-engine check is in tests/engine/test_tasks_e2e.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Unit tests of the ingress's retry-once policy (ServeEngineClient) and the Ray/Serve error mapping, with a scripted
-stand-in for the deployment handle (the real replica kill is tests/test_reliability_replicas.py)."""
+stand-in for the deployment handle (the real replica kill is tests/integration/test_reliability_replicas.py)."""
 
 from __future__ import annotations
 
