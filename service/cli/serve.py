@@ -23,7 +23,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_or_exit(engine=args.engine, port=args.port, host=args.host, model=args.model)
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
-    local.start_ray(num_gpus=None, metrics_export_port=settings.observability.metrics_export_port)
+    # HAProxy in front with the vLLM engine: a GPU engine's latency shows the proxy actor's milliseconds
+    # (docs/design/http-front-end.md)
+    local.start_ray(num_gpus=None, metrics_export_port=settings.observability.metrics_export_port,
+                    haproxy=settings.engine.kind == "vllm")
     stop = threading.Event()
     hurry = threading.Event()  # a second signal: stop waiting for in-flight requests (they still get their 503)
 

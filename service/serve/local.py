@@ -27,7 +27,8 @@ LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 REPLICA_MAX_MESSAGE_BYTES = 320 * 1024 * 1024
 SERVE_MODE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
                   "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(REPLICA_MAX_MESSAGE_BYTES)}
-# HAProxy in front of the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1) is the chart's default and opt-in here
+# HAProxy in front of the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1) is the chart's default and, here, the default
+# with the vLLM engine; RAY_SERVE_ENABLE_HA_PROXY=0 in the environment keeps Serve's proxy actor
 # (docs/design/http-front-end.md). Its stats page and exporter bind fixed ports (8404, 9101): here each gets a free
 # port unless the environment names one, so two services on one machine do not collide.
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -50,11 +51,15 @@ def _free_port() -> int:
 
 
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
-              metrics_export_port: int | None = None) -> None:
+              metrics_export_port: int | None = None, haproxy: bool = False) -> None:
+    """Ray on this machine for the service; `haproxy`: HAProxy as the HTTP front end unless the environment sets
+    RAY_SERVE_ENABLE_HA_PROXY."""
     from service.serve.edge import PROXY_CALLBACK_ENV
 
     for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV, **WORKER_PRIORITY_ENV, **PROXY_CALLBACK_ENV}.items():
         os.environ.setdefault(key, value)
+    if haproxy:
+        os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
     if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
         for key in HAPROXY_PORT_ENV:
             os.environ.setdefault(key, str(_free_port()))
