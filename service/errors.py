@@ -1,4 +1,6 @@
-"""Stable error codes of the API. Every error response is `{"error": {"code", "message"}}`.
+"""Stable error codes of the API. Every error response, on every endpoint, is OpenAI's envelope with our code:
+`{"error": {"code", "message", "type", "param"}}` — `type` is OpenAI's error class for the status (ERROR_TYPES),
+`param` the request field at fault where one is (else null).
 
 The table below is the contract (docs/API.md renders it): a code never changes meaning once published.
 Client mistakes are 4xx; 5xx only for our own faults (engine down, internal bug).
@@ -25,7 +27,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
                         "longer than `max_text_field_chars`, or the request's text leaves no room in the model's "
                         "context for the image at its smallest and one output token."),
     "unknown_task": (400, "The `task` is not one of the documented tasks."),
-    "unsupported_task": (400, "The task is known but the current engine cannot perform it."),
+    "unsupported_task": (400, "The task is known but the current engine cannot perform it; on the OpenAI endpoints, "
+                         "an instruction the engine cannot follow (the embedded engine only reads text)."),
     "invalid_schema": (400, "A JSON Schema (extraction `schema`, chat `response_format`) is invalid, too large or "
                             "too deep, refers outside itself, or has a regex RE2 cannot match."),
     "invalid_pdf": (400, "The PDF is corrupt, encrypted or cannot be rasterised within limits."),
@@ -45,6 +48,8 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "forbidden": (403, "The API key may not use this endpoint, adapter or option (`ignore_eos`/`min_tokens` need "
                   "the admin role)."),
     "unknown_adapter": (404, "The named LoRA adapter does not exist."),
+    "model_not_found": (404, "The OpenAI endpoints' `model` is neither the served base model nor an adapter the key "
+                        "may use; the message lists the models available (as `GET /v1/models` does)."),
     "invalid_adapter": (422, "The LoRA adapter exists but cannot be loaded (rank above max_lora_rank, wrong modules)."),
     "not_found": (404, "No such resource (job id, route)."),
     "method_not_allowed": (405, "The HTTP method is not allowed on this route."),
@@ -68,13 +73,29 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
 }
 
 
+# OpenAI's error `type` for each status (its clients and tools branch on it; our `code` says more)
+ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+    431: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    429: "rate_limit_error",
+}
+SERVER_ERROR_TYPE = "server_error"  # every 5xx
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, SERVER_ERROR_TYPE if status >= 500 else "invalid_request_error")
+
+
 @dataclass
 class OCRError(Exception):
-    """An error with a stable code; the API layer turns it into the JSON error response."""
+    """An error with a stable code; the API layer turns it into the JSON error response. `param` names the request
+    field at fault (dotted path, e.g. `messages.0.content`), where there is one."""
 
     code: str
     message: str
     headers: dict[str, str] | None = None
+    param: str | None = None
 
     def __post_init__(self) -> None:
         if self.code not in ERROR_CODES:
@@ -86,28 +107,47 @@ class OCRError(Exception):
         return ERROR_CODES[self.code][0]
 
     def body(self) -> dict:
-        return {"error": {"code": self.code, "message": self.message}}
+        return error_body(self.code, self.message, self.param)
 
     def __reduce__(self):
         # Exceptions pickle as cls(*args); ours needs its fields to cross Ray (engine replica → ingress)
-        return (type(self), (self.code, self.message, self.headers))
+        return (type(self), (self.code, self.message, self.headers, self.param))
 
 
-def openapi_error_responses(*statuses: int) -> dict[int, dict]:
-    """OpenAPI `responses` entries (for route decorators) for the given statuses, or all documented ones: each lists
-    the error codes that come with that status and the shared `{"error": {"code", "message"}}` body schema."""
-    by_status: dict[int, list[str]] = {}
-    for code, (status, when) in ERROR_CODES.items():
-        if not statuses or status in statuses:
-            by_status.setdefault(status, []).append(f"`{code}`: {when}")
-    body = {
+def error_body(code: str, message: str, param: str | None = None) -> dict:
+    """The error envelope of every endpoint (OpenAI's fields, our stable `code`)."""
+    return {"error": {"code": code, "message": message, "type": error_type(ERROR_CODES[code][0]), "param": param}}
+
+
+ERROR_SCHEMA_NAME = "ErrorResponse"  # components.schemas entry of the envelope (service/http/openapi.py adds it)
+
+
+def error_response_schema() -> dict:
+    """JSON Schema of the error envelope."""
+    return {
         "type": "object",
         "required": ["error"],
         "properties": {"error": {
             "type": "object",
-            "required": ["code", "message"],
-            "properties": {"code": {"type": "string", "enum": sorted(ERROR_CODES)}, "message": {"type": "string"}},
+            "required": ["code", "message", "type", "param"],
+            "properties": {
+                "code": {"type": "string", "enum": sorted(ERROR_CODES), "description": "Stable error code."},
+                "message": {"type": "string", "description": "What went wrong, for people."},
+                "type": {"type": "string", "enum": sorted({*ERROR_TYPES.values(), SERVER_ERROR_TYPE}),
+                         "description": "OpenAI's error class for the status."},
+                "param": {"type": ["string", "null"], "description": "The request field at fault, if any."},
+            },
         }},
     }
+
+
+def openapi_error_responses(*statuses: int) -> dict[int, dict]:
+    """OpenAPI `responses` entries (for route decorators) for the given statuses, or all documented ones: each lists
+    the error codes that come with that status and refers to the shared envelope's schema."""
+    by_status: dict[int, list[str]] = {}
+    for code, (status, when) in ERROR_CODES.items():
+        if not statuses or status in statuses:
+            by_status.setdefault(status, []).append(f"`{code}`: {when}")
+    body = {"$ref": f"#/components/schemas/{ERROR_SCHEMA_NAME}"}
     return {status: {"description": " ".join(lines), "content": {"application/json": {"schema": body}}}
             for status, lines in sorted(by_status.items())}

@@ -96,11 +96,3 @@ class OCRResponse(BaseModel):
     adapter: str | None = None
     raw: RawOutput | None = Field(None, description="Raw model output (only with `include_raw: true`).")
 
-
-class ErrorBody(BaseModel):
-    code: str
-    message: str
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody

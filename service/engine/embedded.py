@@ -107,7 +107,8 @@ class EmbeddedEngine:
         await asyncio.to_thread(self._run, np.full((32, 64, 3), 255, dtype=np.uint8))
 
     async def info(self) -> EngineInfo:
-        return EngineInfo(name=self.name, model=self._model_name, supported_tasks=list(SUPPORTED_TASKS))
+        return EngineInfo(name=self.name, model=self._model_name, supported_tasks=list(SUPPORTED_TASKS),
+                          follows_instructions=False)
 
     async def list_adapters(self) -> list[str]:
         return []

@@ -129,6 +129,9 @@ class EngineInfo(BaseModel):
         default_factory=lambda: ["png"], description="Forms of `EngineRequest` image the engine takes.")
     image_processor: ImageProcessorInfo | None = Field(
         None, description="The image processor the engine runs on each page, where it has one (vLLM).")
+    follows_instructions: bool = Field(
+        True, description="The engine does what a free instruction asks (a VLM); False: it reads the text whatever "
+        "it is asked (the embedded engine), so the OpenAI endpoints refuse other instructions.")
     prompt_template_tokens: int | None = Field(
         None, ge=0, description="Prompt tokens besides the image's and the user text's (the chat template), as the "
         "engine measured them; the ingress budgets each page's context with it. None: not measured.")

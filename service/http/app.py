@@ -69,9 +69,12 @@ def create_app(ctx: AppContext) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        loc = [str(p) for p in first.get("loc", ())]
+        where = ".".join(loc) or "body"
         code = "invalid_request" if first.get("type") == "json_invalid" else "validation_error"
-        return error_response(OCRError(code, f"{where}: {first.get('msg', 'invalid value')}"))
+        # the field's path without its location kind (`body`, `path`, `query`), as OpenAI's `param` names it
+        param = ".".join(loc[1:] if loc and loc[0] in ("body", "path", "query", "header") else loc) or None
+        return error_response(OCRError(code, f"{where}: {first.get('msg', 'invalid value')}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):

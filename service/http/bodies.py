@@ -84,7 +84,8 @@ def validation_error(exc: ValidationError) -> OCRError:
     """422 `validation_error` naming the first invalid field (never its value: it may be document content)."""
     first = exc.errors(include_url=False, include_input=False)[0]
     where = ".".join(str(part) for part in first.get("loc", ())) or "body"
-    return OCRError("validation_error", f"{where}: {first.get('msg', 'invalid value')}")
+    return OCRError("validation_error", f"{where}: {first.get('msg', 'invalid value')}",
+                    param=where if first.get("loc") else None)
 
 
 def request_from_form_fields(fields: dict[str, Any], max_json_items: int) -> OCRRequest:

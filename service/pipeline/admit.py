@@ -31,11 +31,11 @@ async def validate_task(ctx: AppContext, req: OCRRequest) -> None:
     if req.json_schema is not None:  # CPU work (metaschema, references, regexes): off the event loop
         await asyncio.to_thread(check_schema, req.json_schema, ctx.settings)
     if req.task not in TASKS:
-        raise OCRError("unknown_task", f"unknown task {req.task!r}; tasks: {', '.join(TASKS)}")
+        raise OCRError("unknown_task", f"unknown task {req.task!r}; tasks: {', '.join(TASKS)}", param="task")
     info = await ctx.get_engine_info()
     if req.task not in info.supported_tasks:
         raise OCRError("unsupported_task", f"task {req.task!r} is not supported by the {info.name} engine "
-                       f"(supported: {', '.join(info.supported_tasks)})")
+                       f"(supported: {', '.join(info.supported_tasks)})", param="task")
     if req.task == "extract" and not (req.fields or req.json_schema):
         raise OCRError("invalid_request", "task `extract` needs `fields` or `schema`")
     if req.task == "translate" and not req.target_language:

@@ -81,7 +81,8 @@ def test_adapter_as_model_and_errors(client, document):
 
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="no-such-adapter", messages=chat_messages(document), max_tokens=2)
-    assert err.value.body["code"] == "unknown_adapter"
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    assert err.value.body["message"] == "model 'no-such-adapter' is not served; available: hunyuan-ocr, sharp"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="hunyuan-ocr", max_tokens=2,
                                        messages=[{"role": "user", "content": "no image here"}])

@@ -84,7 +84,8 @@ async def test_a_failure_after_output_is_an_error_event_in_the_200(endpoint):
     payloads = [json.loads(line[6:]) for line in resp.text.splitlines()
                 if line.startswith("data: ") and line != "data: [DONE]"]
     assert len(payloads) >= 3  # two pieces of output, then the error
-    assert payloads[-1] == {"error": {"code": "engine_unavailable", "message": "gone"}}
+    assert payloads[-1] == {"error": {"code": "engine_unavailable", "message": "gone", "type": "server_error",
+                                      "param": None}}
 
 
 @pytest.mark.parametrize("endpoint", sorted(STREAMS))

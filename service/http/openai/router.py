@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from service.admission.auth import Principal
 from service.admission.prompts import sanitize_user_text
 from service.admission.schemas import check_schema
-from service.engine.protocol import EngineRequest, EngineResult, TokenLogprob
+from service.engine.protocol import EngineInfo, EngineRequest, EngineResult, TokenLogprob
 from service.errors import OCRError, openapi_error_responses
 from service.http.bodies import read_json_model
 from service.http.deps import app_context, principal
@@ -40,7 +40,7 @@ from service.pipeline.admit import admit_page
 from service.pipeline.context import AppContext
 from service.pipeline.run import generate
 from service.schema import OCRRequest
-from service.tasks import TASKS
+from service.tasks import HUNYUAN_15_PROMPTS, TASKS
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["openai"])
@@ -51,14 +51,14 @@ router = APIRouter(tags=["openai"])
 def check_prompt_length(text: str, max_chars: int, what: str) -> None:
     """Instructions longer than the limit are refused, not cut: a cut instruction asks something else."""
     if len(text) > max_chars:
-        raise OCRError("prompt_too_long", f"{what} has {len(text)} characters; at most {max_chars}")
+        raise OCRError("prompt_too_long", f"{what} has {len(text)} characters; at most {max_chars}", param=what)
 
 
 def check_extensions(fields: _SamplingFields, principal: Principal) -> None:
     """`ignore_eos`/`min_tokens` run a request to its token limit whatever the model says (benchmarks)."""
     if (fields.ignore_eos or fields.min_tokens) and principal.role != "admin":
         raise OCRError("forbidden", "`ignore_eos` and `min_tokens` (vLLM benchmark extensions) need an API key "
-                       "with the admin role")
+                       "with the admin role", param="ignore_eos" if fields.ignore_eos else "min_tokens")
 
 
 def chat_inputs(req: ChatCompletionRequest, max_text_chars: int) -> tuple[str, str]:
@@ -69,26 +69,29 @@ def chat_inputs(req: ChatCompletionRequest, max_text_chars: int) -> tuple[str, s
     text_chars = 0
     for message in req.messages:
         if message.role == "assistant":
-            raise OCRError("invalid_request", "only one user turn is supported (no assistant messages)")
+            raise OCRError("invalid_request", "only one user turn is supported (no assistant messages)",
+                           param="messages")
         parts = [ContentPart(type="text", text=message.content)] if isinstance(message.content, str) else \
             (message.content or [])
         for part in parts:
             if part.type == "image_url":
                 if part.image_url is None:
-                    raise OCRError("invalid_request", "an image_url part needs `image_url.url`")
+                    raise OCRError("invalid_request", "an image_url part needs `image_url.url`", param="messages")
                 images.append(part.image_url.url)
             elif part.text and message.role == "user":
                 text_chars += len(part.text) + (1 if texts else 0)  # joined with newlines
                 if text_chars > max_text_chars:
                     raise OCRError("prompt_too_long", f"the user messages' text has more than {max_text_chars} "
-                                   "characters")
+                                   "characters", param="messages")
                 texts.append(part.text)
     if not images:
-        raise OCRError("empty_image", "send the image as an `image_url` content part (data URL)")
+        raise OCRError("empty_image", "send the image as an `image_url` content part (data URL)",
+                       param="messages")
     if len(images) > 1:
-        raise OCRError("invalid_request", "exactly one image per request")
+        raise OCRError("invalid_request", "exactly one image per request", param="messages")
     if not images[0].strip().lower().startswith("data:"):
-        raise OCRError("invalid_request", "image_url must be a `data:` URL (remote images are not fetched)")
+        raise OCRError("invalid_request", "image_url must be a `data:` URL (remote images are not fetched)",
+                       param="messages")
     return images[0], "\n".join(texts)
 
 
@@ -100,21 +103,63 @@ async def guided_json_of(ctx: AppContext, response_format: ResponseFormat | None
     if response_format.type == "json_object":
         return {"type": "object"}
     if response_format.json_schema is None or response_format.json_schema.schema_ is None:
-        raise OCRError("invalid_schema", "response_format.json_schema.schema is required")
+        raise OCRError("invalid_schema", "response_format.json_schema.schema is required",
+                       param="response_format")
     schema = response_format.json_schema.schema_
     await asyncio.to_thread(check_schema, schema, ctx.settings, where="response_format.json_schema.schema")
     return schema
 
 
+async def resolve_model(ctx: AppContext, caller: Principal, model: str | None, info: EngineInfo) -> str | None:
+    """The adapter `model` names (None: the base model). A name that is neither the base model nor an adapter the
+    engine serves is 404 `model_not_found`, listing what the key may use (what `GET /v1/models` lists); an adapter the
+    key may not use stays 403 `forbidden` (admission)."""
+    if not model or model == info.model:
+        return None
+    adapters = await ctx.engine.list_adapters()
+    if model not in adapters:
+        raise model_not_found(model, info.model, [name for name in adapters if caller.may_use_adapter(name)])
+    return model
+
+
+def model_not_found(model: str, base: str, adapters: list[str]) -> OCRError:
+    return OCRError("model_not_found", f"model {model!r} is not served; available: {', '.join([base, *adapters])}",
+                    param="model")
+
+
+# Instructions that ask for exactly what an engine that only reads text does: the text task's own prompts
+TEXT_INSTRUCTIONS = frozenset(
+    " ".join(prompt.casefold().split()).rstrip(".。 ")
+    for prompt in (TASKS["text"].prompt, HUNYUAN_15_PROMPTS[TASKS["text"].hunyuan_task]))
+
+
+def check_instruction(info: EngineInfo, user_text: str, guided_json: dict | None, param: str) -> None:
+    """An engine that reads text whatever it is asked (the embedded one) must not answer an instruction with plain
+    OCR text as if it had followed it: any instruction but none or the text task's own prompt is 400
+    `unsupported_task`, as `/v1/ocr` answers a task the engine cannot do; so is a JSON response format."""
+    if info.follows_instructions:
+        return
+    if guided_json is not None:
+        raise OCRError("unsupported_task", f"the {info.name} engine reads text only and cannot write JSON "
+                       "(`response_format`); run the vllm engine", param="response_format")
+    normalised = " ".join(user_text.casefold().split()).rstrip(".。 ")
+    if normalised and normalised not in TEXT_INSTRUCTIONS:
+        raise OCRError("unsupported_task", f"the {info.name} engine reads the text in the image and cannot follow "
+                       f"other instructions; send no instruction or {TASKS['text'].prompt!r}, or run the vllm engine",
+                       param=param)
+
+
 async def admit_openai_request(ctx: AppContext, caller: Principal, *, image: str, user_text: str,
                                model: str | None, max_tokens: int | None, fields: _SamplingFields,
-                               logprobs: bool, guided_json: dict | None, id_prefix: str
+                               logprobs: bool, guided_json: dict | None, id_prefix: str, instruction_param: str
                                ) -> tuple[EngineRequest, dict[str, str], str]:
     """One OpenAI-style request through the pipeline's admission as a `text` task (`model` = the base model or an
-    adapter): returns (engine request, rate-limit headers, model name)."""
+    adapter): returns (engine request, rate-limit headers, model name). Nothing is paid before the model and the
+    instruction are known to be served."""
     s = ctx.settings
     info = await ctx.get_engine_info()
-    adapter = None if not model or model == info.model else model
+    adapter = await resolve_model(ctx, caller, model, info)
+    check_instruction(info, user_text, guided_json, instruction_param)
     req = OCRRequest.model_validate({"task": "text", "adapter": adapter, "max_tokens": max_tokens})
 
     def prompt() -> str:  # on the admission pool, paid for
@@ -198,9 +243,28 @@ async def _streaming_response(ctx: AppContext, engine_request: EngineRequest, fr
                               stream_options: StreamOptions | None, headers: dict[str, str]) -> StreamingResponse:
     """The SSE response, once the first chunk is there: a failure before it is an ordinary error response."""
     include_usage = bool(stream_options and stream_options.include_usage)
-    events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
-                                         ctx.settings.server.request_timeout_s)
+    try:
+        events = await first_event_then_rest(_stream(ctx, engine_request, frame, final_frame, include_usage),
+                                             ctx.settings.server.request_timeout_s)
+    except OCRError as exc:
+        raise await as_model_error(ctx, exc, engine_request) from None
     return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def _generate(ctx: AppContext, engine_request: EngineRequest) -> EngineResult:
+    try:
+        return await generate(ctx, engine_request)
+    except OCRError as exc:
+        raise await as_model_error(ctx, exc, engine_request) from None
+
+
+async def as_model_error(ctx: AppContext, exc: OCRError, engine_request: EngineRequest) -> OCRError:
+    """An adapter that went away between admission and the engine (an admin unload, a replica that lists other
+    adapters) is the OpenAI endpoints' `model_not_found` too."""
+    if exc.code != "unknown_adapter" or engine_request.adapter is None:
+        return exc
+    info = await ctx.get_engine_info()
+    return model_not_found(engine_request.adapter, info.model, [])
 
 
 # --- routes ---------------------------------------------------------------------------------------------------------
@@ -216,7 +280,7 @@ async def chat_completions(request: Request, ctx: AppContext = Depends(app_conte
     engine_request, headers, model = await admit_openai_request(
         ctx, caller, image=image, user_text=text, model=req.model,
         max_tokens=req.max_completion_tokens or req.max_tokens, fields=req, logprobs=req.logprobs,
-        guided_json=guided, id_prefix="chatcmpl-")
+        guided_json=guided, id_prefix="chatcmpl-", instruction_param="messages")
     base = {"id": engine_request.request_id, "object": "chat.completion", "created": int(time.time()),
             "model": model}
     if req.stream:
@@ -235,7 +299,7 @@ async def chat_completions(request: Request, ctx: AppContext = Depends(app_conte
                                           "logprobs": None}]}
 
         return await _streaming_response(ctx, engine_request, frame, final_frame, req.stream_options, headers)
-    result = await generate(ctx, engine_request)
+    result = await _generate(ctx, engine_request)
     body = {**base, "choices": [{
         "index": 0, "message": {"role": "assistant", "content": result.text},
         "logprobs": chat_logprobs(result.tokens) if req.logprobs else None,
@@ -251,17 +315,17 @@ async def completions(request: Request, ctx: AppContext = Depends(app_context),
     req = await read_json_model(await request.body(), CompletionRequest, ctx.settings.limits.max_json_items)
     check_extensions(req, caller)
     if req.echo:
-        raise OCRError("invalid_request", "echo is not supported")
+        raise OCRError("invalid_request", "echo is not supported", param="echo")
     prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1:
-            raise OCRError("invalid_request", "exactly one prompt per request")
+            raise OCRError("invalid_request", "exactly one prompt per request", param="prompt")
         prompt = prompt[0]
     check_prompt_length(prompt, ctx.settings.limits.max_text_field_chars, "prompt")
     want_logprobs = req.logprobs is not None
     engine_request, headers, model = await admit_openai_request(
         ctx, caller, image=req.image, user_text=prompt, model=req.model, max_tokens=req.max_tokens,
-        fields=req, logprobs=want_logprobs, guided_json=None, id_prefix="cmpl-")
+        fields=req, logprobs=want_logprobs, guided_json=None, id_prefix="cmpl-", instruction_param="prompt")
     base = {"id": engine_request.request_id, "object": "text_completion", "created": int(time.time()),
             "model": model}
     if req.stream:
@@ -277,7 +341,7 @@ async def completions(request: Request, ctx: AppContext = Depends(app_context),
                                          "finish_reason": finish_reason(result)}]}
 
         return await _streaming_response(ctx, engine_request, frame, final_frame, req.stream_options, headers)
-    result = await generate(ctx, engine_request)
+    result = await _generate(ctx, engine_request)
     body = {**base, "choices": [{
         "index": 0, "text": result.text,
         "logprobs": completion_logprobs(result.tokens) if want_logprobs else None,

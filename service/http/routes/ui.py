@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from service.admission.auth import key_from_headers
+from service.errors import OCRError
 from service.http.deps import app_context
 from service.pipeline.context import AppContext
 from service.tasks import TASKS
@@ -74,5 +75,5 @@ async def config(request: Request, ctx: AppContext = Depends(app_context)):
 @router.get("/ui/{name}")
 async def asset(name: str):
     if name not in ASSETS:
-        return JSONResponse({"error": {"code": "not_found", "message": "no such UI file"}}, status_code=404)
+        return JSONResponse(OCRError("not_found", "no such UI file").body(), status_code=404)
     return Response(_asset(name), media_type=ASSETS[name], headers=SECURITY_HEADERS)
