@@ -179,14 +179,14 @@ def test_unknown_adapter_is_404(vllm_url):
     assert resp.status_code == 404, resp.text
     assert resp.json()["error"]["code"] == "unknown_adapter"
     resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(doc, model="nope"), timeout=300)
-    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter"
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
     # streamed: the real engine refuses before any output, so the answer is the 404 itself, not a 200 with an
     # error event (service.http.sse.first_event_then_rest)
     resp = httpx.post(vllm_url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "adapter": "nope",
                                                   "stream": True}, timeout=300)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter", resp.text
     resp = httpx.post(vllm_url + "/v1/chat/completions", json=chat_body(doc, model="nope", stream=True), timeout=300)
-    assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter", resp.text
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found", resp.text
     resp = httpx.post(vllm_url + "/v1/adapters/nope/load", timeout=60)
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "unknown_adapter"
     resp = httpx.post(vllm_url + "/v1/adapters/nope/unload", timeout=60)

@@ -81,3 +81,28 @@ def test_bad_input_through_serve_is_4xx(embedded_url):
     resp = httpx.post(embedded_url + "/v1/ocr", json={"image": render_document(["x"]).b64(), "task": "formula"},
                       timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_task"
+
+
+def test_openai_client_through_serve_model_errors_and_instructions(embedded_url):
+    """The official client against the Serve app with the embedded engine: plain OCR text for no instruction, a 404
+    naming the served model for an unknown one, and 400 `unsupported_task` for an instruction the engine cannot
+    follow, each with OpenAI's `type` and `param`."""
+    import openai
+
+    doc = render_document(["Invoice 4711", "Total 99.50"], size=(640, 240), font_size=36, top=40, gap=90)
+    client = openai.OpenAI(base_url=embedded_url + "/v1", api_key="unused-in-open-mode", max_retries=0,
+                           timeout=120)
+    base = client.models.list().data[0].id
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + doc.b64()}}
+    answer = client.chat.completions.create(model=base, messages=[{"role": "user", "content": [image]}])
+    assert normalise_text(answer.choices[0].message.content) == normalise_text("Invoice 4711\nTotal 99.50")
+
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": [image]}])
+    assert err.value.body == {"code": "model_not_found", "type": "not_found_error", "param": "model",
+                              "message": f"model 'gpt-4o' is not served; available: {base}"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=base, messages=[{"role": "user", "content": [
+            image, {"type": "text", "text": "Translate this invoice into German."}]}])
+    assert err.value.body["code"] == "unsupported_task" and err.value.body["param"] == "messages"
+    assert err.value.body["type"] == "invalid_request_error"

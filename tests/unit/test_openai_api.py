@@ -93,3 +93,47 @@ async def test_placeholders_never_reach_the_engine(user_client, document):
     prompt = engine.requests[-1].prompt
     assert "hy_place" not in prompt and "<|" not in prompt and "<｜" not in prompt
     assert prompt.startswith("Read") and prompt.endswith("now")
+
+
+async def test_an_unknown_model_is_404_model_not_found_listing_what_the_key_may_use(user_client, document):
+    resp = await user_client.post("/v1/chat/completions",
+                                  json={"model": "gpt-4o", "max_tokens": 4, "messages": chat_messages(document)})
+    assert resp.status_code == 404
+    assert resp.json() == {"error": {"code": "model_not_found", "param": "model", "type": "not_found_error",
+                                     "message": "model 'gpt-4o' is not served; available: mock-ocr, tuned"}}
+    resp = await user_client.post("/v1/completions", json={"model": "gpt-4o", "image": document.b64()})
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+async def test_every_error_carries_openai_type_and_param(user_client, document):
+    resp = await user_client.post("/v1/chat/completions", json={"messages": []})
+    assert resp.status_code == 422
+    assert resp.json()["error"] | {"message": ""} == {"code": "validation_error", "type": "invalid_request_error",
+                                                      "param": "messages", "message": ""}
+    resp = await user_client.post("/v1/completions", json={"image": document.b64(), "echo": True})
+    assert resp.json()["error"] | {"message": ""} == {"code": "invalid_request", "type": "invalid_request_error",
+                                                      "param": "echo", "message": ""}
+    resp = await user_client.post("/v1/adapters/tuned/load")
+    assert resp.json()["error"]["type"] == "permission_error" and resp.json()["error"]["param"] is None
+
+
+@pytest.mark.parametrize("instruction", ["Translate the text into French.", "Parse the table as HTML.",
+                                         "What is the total amount?"])
+async def test_the_embedded_engine_refuses_instructions_it_cannot_follow(embedded_client, document, instruction):
+    resp = await embedded_client.post("/v1/chat/completions",
+                                      json={"messages": chat_messages(document, instruction), "max_tokens": 64})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "unsupported_task" and resp.json()["error"]["param"] == "messages"
+    resp = await embedded_client.post("/v1/completions", json={"image": document.b64(), "prompt": instruction})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+
+
+async def test_the_embedded_engine_reads_text_with_no_instruction_or_the_text_prompt(embedded_client, document):
+    for text in ("", INSTRUCTION, "  extract the text in the image  "):
+        resp = await embedded_client.post("/v1/chat/completions",
+                                          json={"messages": chat_messages(document, text), "max_tokens": 64})
+        assert resp.status_code == 200, (text, resp.text)
+        assert "Receipt 42" in resp.json()["choices"][0]["message"]["content"]
+    resp = await embedded_client.post("/v1/chat/completions", json={
+        "messages": chat_messages(document, ""), "response_format": {"type": "json_object"}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format"
