@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def integral_float(value: Any) -> Any:
+    """For the integer fields of JSON bodies (a `before` validator): validated strictly (a string or a boolean is no
+    number), `10.0` is 10 — JSON has one number type, and JSON Schema's `integer` (the OpenAPI document's) takes
+    it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 class OCRRequest(BaseModel):
@@ -22,7 +29,7 @@ class OCRRequest(BaseModel):
     json_schema: dict[str, Any] | None = Field(
         None, alias="schema", description="JSON Schema for `extract` (its properties name the fields)."
     )
-    target_language: str | None = Field(None, max_length=64, description="Target language for `translate`.")
+    target_language: str | None = Field(None, min_length=1, max_length=64, description="Target language for `translate`.")
     adapter: str | None = Field(None, max_length=128, description="LoRA adapter name (vLLM engine).")
     max_tokens: int | None = Field(None, ge=1, description="Output token limit (capped by the image budget).")
     stream: bool = Field(False, description="Send Server-Sent Events: partial output, then the final result.")
@@ -35,6 +42,8 @@ class OCRRequest(BaseModel):
         False, description="Add `raw` to the response: the model's raw output, its token logprobs and the rendered "
         "prompt (replay with `ocr-serve parse --raw-json`)."
     )
+
+    _integers = field_validator("max_tokens", mode="before")(integral_float)
 
 
 class Line(BaseModel):

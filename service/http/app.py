@@ -16,11 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from service.errors import ERROR_CODES, OCRError
 from service.http.middleware import (CLIENT_CLOSED_REQUEST, BodyLimits, DrainGate, HeaderSizeLimit,
                                      RequestMetricsMiddleware, TenantConcurrencyLimit)
 from service.http.openai.router import router as openai_router
+from service.http.openapi import openapi_document
 from service.http.routes.adapters import router as adapters_router
 from service.http.routes.health import router as health_router
 from service.http.routes.jobs import JOB_MULTIPART_OVERHEAD_BYTES
@@ -36,6 +38,16 @@ log = logging.getLogger(__name__)
 
 def error_response(error: OCRError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def allowed_methods(app: FastAPI, scope) -> list[str]:
+    """Every method the routes of this request's path take (a 405's `Allow`)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def create_app(ctx: AppContext) -> FastAPI:
@@ -55,9 +67,18 @@ def create_app(ctx: AppContext) -> FastAPI:
         title="HunyuanOCR service",
         version="0.1.0",
         description="OCR API: spotting, text, document parsing, tables, formulas, charts, field extraction, "
-                    "translation. Errors are `{\"error\": {\"code\", \"message\"}}` with codes: "
-                    + ", ".join(f"`{c}` ({s})" for c, (s, _) in ERROR_CODES.items()),
+                    "translation. Errors are `{\"error\": {\"code\", \"message\", \"type\", \"param\"}}` "
+                    "with codes: " + ", ".join(f"`{c}` ({s})" for c, (s, _) in ERROR_CODES.items()),
+        generate_unique_id_function=lambda route: route.name,  # operationIds: the handlers' names
     )
+    open_mode = getattr(ctx.authenticator, "open_mode", False)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, ctx.settings, auth_required=not open_mode)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.ctx = ctx
     app.state.jobs = JobRunner(ctx, make_store(ctx.settings))
 
@@ -77,14 +98,17 @@ def create_app(ctx: AppContext) -> FastAPI:
         return error_response(OCRError(code, f"{where}: {first.get('msg', 'invalid value')}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException):
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type",
                 401: "unauthorized", 403: "forbidden", 429: "rate_limited"}.get(exc.status_code)
         if code is None:
             code = "invalid_request" if exc.status_code < 500 else "internal_error"
         err = OCRError(code, str(exc.detail))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # Starlette names the first route's methods; the path may have more routes
+            headers["Allow"] = ", ".join(allowed_methods(app, request.scope))
         return JSONResponse(err.body(), status_code=exc.status_code if exc.status_code < 500 else 500,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers or None)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(_: Request, exc: ClientDisconnect):
@@ -109,9 +133,8 @@ def create_app(ctx: AppContext) -> FastAPI:
                        path_limits={"/v1/jobs": settings.jobs.max_bytes + JOB_MULTIPART_OVERHEAD_BYTES})
     # open mode (no key file): every caller is one tenant, so a per-tenant cap would only cap the replica, which
     # Serve's max_ongoing_requests already does; the admission pool's tenant share is off there too
-    one_tenant = getattr(ctx.authenticator, "open_mode", False)
     app.add_middleware(TenantConcurrencyLimit, ctx=ctx,
-                       max_per_tenant=0 if one_tenant else settings.limits.max_concurrent_requests_per_tenant)
+                       max_per_tenant=0 if open_mode else settings.limits.max_concurrent_requests_per_tenant)
     app.add_middleware(DrainGate, ctx=ctx)
     app.add_middleware(HeaderSizeLimit, max_bytes=settings.limits.max_header_bytes)
     # counts every /v1/ocr (and /v1/jobs) answer with its final status, whichever layer produced it

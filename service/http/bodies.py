@@ -95,7 +95,8 @@ def request_from_form_fields(fields: dict[str, Any], max_json_items: int) -> OCR
     if "fields" in fields:
         raw = fields["fields"].strip()
         check_json_items(raw.encode(), max_json_items, "the `fields` form field")
-        fields["fields"] = _json_or(raw, [f.strip() for f in raw.split(",") if f.strip()])
+        listed = _json_or(raw, None)  # a JSON list, else names separated by commas (`2024` names a field too)
+        fields["fields"] = listed if isinstance(listed, list) else [f.strip() for f in raw.split(",") if f.strip()]
     if "schema" in fields:
         check_json_items(fields["schema"].encode(), max_json_items, "the `schema` form field")
         fields["schema"] = _json_or(fields["schema"], None, "schema must be a JSON object")

@@ -155,10 +155,11 @@ async def test_adapter_names_need_a_key(key_file):
 
 
 async def test_the_openapi_document_shows_no_deployment_details(key_file):
-    """It is the same document for every deployment: nothing of the settings, engine or adapters is in it."""
+    """Nothing of the engine, adapters, hosts, secrets or sizes is in it: only the request limits a client must keep to
+    (field counts and lengths, pages per job: tests/unit/test_openapi_document.py)."""
     path, _, _ = key_file
     plain, _ = keyed_app(path, MockEngine())
-    other, _ = keyed_app(path, MockEngine(adapters=["tenant-x"], model_name="custom-model"), max_pdf_pages=7,
+    other, _ = keyed_app(path, MockEngine(adapters=["tenant-x"], model_name="custom-model"),
                          max_body_bytes=123_456, webhook_allowed_hosts=["hooks.internal.example"],
                          redis_url="redis://:hunter2@redis.internal:6379/0")
     assert plain.openapi() == other.openapi()
