@@ -30,6 +30,14 @@ from service.errors import OCRError
 log = logging.getLogger(__name__)
 
 
+# The rate-limit fields of a response. `RateLimit-Policy` and `RateLimit` are draft-ietf-httpapi-ratelimit-headers-09
+# (and -10, unchanged there): Structured Field lists naming the policy. `RateLimit-Limit`, `-Remaining` and `-Reset`
+# are the separate fields of drafts -03 to -06, which most clients and proxies still read: both are sent.
+POLICY_NAME = "tenant"  # one token bucket per tenant
+# `qu` of the policy for each `rate_limit_cost` mode (none: the draft's default unit, requests)
+QUOTA_UNITS = {"requests": None, "pages": "pages", "image_tokens": "image-tokens"}
+
+
 @dataclass(frozen=True)
 class Decision:
     allowed: bool
@@ -37,12 +45,20 @@ class Decision:
     remaining: float  # tokens left after this decision
     reset_s: float  # seconds until the bucket is full again
     retry_after_s: float  # seconds until `cost` tokens are available (0 when allowed)
+    window_s: float = 0.0  # seconds an empty bucket takes to fill (burst / rate): the policy's window
 
-    def headers(self) -> dict[str, str]:
+    def headers(self, cost_mode: str = "requests") -> dict[str, str]:
+        limit, remaining = int(self.limit), max(0, int(self.remaining))
+        reset = max(0, math.ceil(self.reset_s))
+        policy = f'"{POLICY_NAME}";q={limit};w={max(1, math.ceil(self.window_s))}'
+        if QUOTA_UNITS.get(cost_mode):
+            policy += f';qu="{QUOTA_UNITS[cost_mode]}"'
         out = {
-            "RateLimit-Limit": str(int(self.limit)),
-            "RateLimit-Remaining": str(max(0, int(self.remaining))),
-            "RateLimit-Reset": str(max(0, math.ceil(self.reset_s))),
+            "RateLimit-Policy": policy,
+            "RateLimit": f'"{POLICY_NAME}";r={remaining};t={reset}',
+            "RateLimit-Limit": str(limit),
+            "RateLimit-Remaining": str(remaining),
+            "RateLimit-Reset": str(reset),
         }
         if not self.allowed:
             out["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
@@ -62,7 +78,7 @@ class Limiter(Protocol):
 
 def _decision(allowed: bool, tokens: float, cost: float, rate: float, burst: float) -> Decision:
     retry_after = 0.0 if allowed else (cost - tokens) / rate
-    return Decision(allowed, burst, tokens, (burst - tokens) / rate, retry_after)
+    return Decision(allowed, burst, tokens, (burst - tokens) / rate, retry_after, burst / rate)
 
 
 class LocalTokenBucket:
@@ -188,7 +204,7 @@ class RedisTokenBucket:
         allowed, tokens, retry_after = await self._script(keys=[self.key(tenant)],
                                                           args=[rate, burst, cost, "acquire"])
         tokens = float(tokens)
-        return Decision(bool(int(allowed)), burst, tokens, (burst - tokens) / rate, float(retry_after))
+        return Decision(bool(int(allowed)), burst, tokens, (burst - tokens) / rate, float(retry_after), burst / rate)
 
     async def adjust(self, tenant: str, delta: float, rate: float, burst: float) -> None:
         await self._script(keys=[self.key(tenant)], args=[rate, burst, delta, "adjust"])

@@ -12,23 +12,61 @@ import mimetypes
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, TextIO
+
+from service.errors import ERROR_CODES
+from service.jobs.backoff import retry_wait_s
 
 BAR_WIDTH = 30
+MAX_RECONNECTS = 5  # reopenings of a job's events stream in a row without an event in between
+RECONNECT_BASE_S, RECONNECT_CAP_S = 0.5, 8.0  # jittered exponential waits between them (service/jobs/backoff.py)
 
 
-def iter_sse(lines: Iterator[str]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event, data) pairs from Server-Sent Event lines; comments (keep-alives) are skipped."""
-    event, data = "message", []
-    for line in lines:
+@dataclass
+class SSEEvent:
+    event: str
+    data: str
+    id: str  # the last event ID after this event (the stream's, kept from earlier events when this one has none)
+
+
+@dataclass
+class SSEParser:
+    """Server-Sent Events as the HTML standard parses them (§ 9.2.6): `field: value` with one leading space of the value
+    removed, a line without a colon is a field with an empty value, `data` lines joined with newlines, `:` comments
+    (keep-alives) ignored, an event dispatched at a blank line (none when it has no data), `id` kept across events
+    (the `Last-Event-ID` to resume from), `retry` the reconnection delay in milliseconds; a partial event at the end
+    of the stream is dropped."""
+
+    last_event_id: str = ""
+    retry_ms: int | None = None
+    _event: str = ""
+    _data: list[str] = field(default_factory=list)
+
+    def feed(self, line: str) -> SSEEvent | None:
         if line == "":
-            if data:
-                yield event, json.loads("\n".join(data))
-            event, data = "message", []
-        elif line.startswith("event:"):
-            event = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip())
+            data, event, self._data, self._event = self._data, self._event, [], ""
+            return SSEEvent(event or "message", "\n".join(data), self.last_event_id) if data else None
+        if line.startswith(":"):
+            return None
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "id" and "\0" not in value:
+            self.last_event_id = value
+        elif name == "retry" and value.isascii() and value.isdigit():
+            self.retry_ms = int(value)
+        return None
+
+    def events(self, lines: Iterable[str]) -> Iterator[SSEEvent]:
+        for line in lines:
+            event = self.feed(line)
+            if event is not None:
+                yield event
 
 
 class ProgressBar:
@@ -71,30 +109,65 @@ def run_job(*, url: str, files: list[Path], form: dict[str, str], api_key: str |
         job = resp.json()
         bar = ProgressBar(job["pages_total"], progress_out)
         bar.update(0, "queued")
-        done = 0
         try:
-            with client.stream("GET", f"/v1/jobs/{job['id']}/events") as events:
-                if events.status_code != 200:
-                    events.read()
-                    return 1, _json_or_error(events)
-                for event, data in iter_sse(events.iter_lines()):
-                    if event == "page":
-                        done += 1
-                        outcome = "ok" if data["status"] == "ok" else f"failed ({data['error']['code']})"
-                        bar.update(done, f"page {data['page']} {outcome}")
-                    elif event == "done":
-                        bar.update(data["pages_done"], data["status"])
-                    elif event == "error":
-                        bar.close()
-                        return 1, data
+            failed = follow_job_events(client, job["id"], bar)
         except KeyboardInterrupt:
             client.delete(f"/v1/jobs/{job['id']}")
             bar.close()
             progress_out.write("cancelled\n")
             return 130, client.get(f"/v1/jobs/{job['id']}").json()
+        if failed is not None:
+            bar.close()
+            return 1, failed
         bar.close()
         final = client.get(f"/v1/jobs/{job['id']}").json()
     return (0 if final.get("status") == "succeeded" else 1), final
+
+
+def follow_job_events(client, job_id: str, bar: ProgressBar, *, sleep=time.sleep) -> dict[str, Any] | None:
+    """Draws the job's `page` events on the bar until `done`; None, or the error body that ended the stream. A stream
+    that breaks (connection lost, a replica draining, the job store briefly unavailable) is reopened with
+    `Last-Event-ID`, so the pages already seen are not sent again; after MAX_RECONNECTS attempts in a row without
+    an event the error is returned."""
+    import httpx
+
+    parser = SSEParser()
+    done, failures, error = 0, 0, None
+    while failures <= MAX_RECONNECTS:
+        headers = {"Last-Event-ID": parser.last_event_id} if parser.last_event_id else {}
+        try:
+            with client.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as events:
+                if events.status_code != 200:
+                    events.read()
+                    error = _json_or_error(events)
+                    if events.status_code < 500:
+                        return error
+                else:
+                    error = {"error": {"code": "stream_ended", "message": "the events stream ended before `done`"}}
+                    for event in parser.events(events.iter_lines()):
+                        failures = 0
+                        data = json.loads(event.data)
+                        if event.event == "page":
+                            done += 1
+                            outcome = "ok" if data["status"] == "ok" else f"failed ({data['error']['code']})"
+                            bar.update(done, f"page {data['page']} {outcome}")
+                        elif event.event == "done":
+                            bar.update(data["pages_done"], data["status"])
+                            return None
+                        elif event.event == "error":
+                            code = data.get("error", {}).get("code")
+                            if ERROR_CODES.get(code, (500,))[0] < 500:
+                                return data
+                            error = data  # the service's fault (store unavailable): worth reconnecting
+                            break
+        except httpx.TransportError as exc:
+            error = {"error": {"code": "connection_lost", "message": f"{type(exc).__name__}: {exc}"}}
+        failures += 1
+        if failures <= MAX_RECONNECTS:
+            wait_ms = parser.retry_ms
+            sleep(wait_ms / 1000 if wait_ms is not None else retry_wait_s(failures - 1, RECONNECT_BASE_S,
+                                                                           RECONNECT_CAP_S))
+    return error
 
 
 def _json_or_error(resp) -> dict[str, Any]:

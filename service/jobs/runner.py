@@ -45,6 +45,7 @@ from service.pipeline.run import recognise
 from service.engine.protocol import EngineInfo
 from service.schema import OCRRequest
 from service.errors import OCRError
+from service.jobs.backoff import retry_wait_s
 from service.jobs.model import HEARTBEAT_S, TERMINAL, ErrorInfo, JobRecord, JobView, PageResult
 from service.jobs.store import JobStore
 from service.jobs.webhook import WebhookSender, WebhookTarget
@@ -52,7 +53,7 @@ from service.jobs.webhook import WebhookSender, WebhookTarget
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.5
-RETRY_BACKOFF_S = 0.25  # doubled per attempt, capped at MAX_BACKOFF_S
+RETRY_BACKOFF_S = 0.25  # doubled per attempt, capped at MAX_BACKOFF_S, jittered (service/jobs/backoff.py)
 MAX_BACKOFF_S = 2.0
 MAX_RATE_WAIT_S = 30.0
 JOB_CAP_RETRY_S = 5  # Retry-After of `too_many_jobs`: a job's pages take seconds
@@ -363,7 +364,7 @@ class JobRunner:
                             type(exc).__name__)
                 last_error = OCRError("engine_unavailable", "the engine failed on this page")
             if attempt < self.ctx.settings.jobs.page_retries:
-                await asyncio.sleep(min(MAX_BACKOFF_S, RETRY_BACKOFF_S * 2 ** attempt))
+                await asyncio.sleep(retry_wait_s(attempt, RETRY_BACKOFF_S, MAX_BACKOFF_S))
         return PageResult(index=index, page=staged.number, status="failed", attempts=attempts,
                           dpi=staged.dpi or None, error=ErrorInfo(code=last_error.code, message=last_error.message))
 

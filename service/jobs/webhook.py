@@ -16,7 +16,7 @@ delivery connects to the PINNED address (no second DNS lookup, so DNS rebinding 
 original `Host` header and, for https, SNI and certificate verification against the original host name. Redirects
 are never followed (3xx = failed delivery), at most `MAX_RESPONSE_BYTES` of the answer are read (raw, never
 decompressed), each attempt is bounded by `webhook_timeout_s`; 5xx, 408, 429, connection errors and timeouts are
-retried up to `webhook_max_attempts` with bounded backoff. With `webhook_secret` the body is signed (HMAC-SHA256 of
+retried up to `webhook_max_attempts` with bounded, jittered backoff. With `webhook_secret` the body is signed (HMAC-SHA256 of
 `<timestamp>.<body>`). Outcomes are logged with the URL's origin only (paths and queries may hold tokens) and counted
 in `ocr_webhook_deliveries_total{outcome}`. A delivery never blocks or fails the job.
 """
@@ -41,12 +41,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from service.errors import OCRError
+from service.jobs.backoff import retry_wait_s
 
 log = logging.getLogger(__name__)
 
 MAX_URL_CHARS = 2048
 MAX_RESPONSE_BYTES = 64 * 1024  # the answer is only read to finish the exchange; nothing of it is used
-BACKOFF_S = 1.0  # doubled per attempt, capped at MAX_BACKOFF_S
+BACKOFF_S = 1.0  # doubled per attempt, capped at MAX_BACKOFF_S, jittered (service/jobs/backoff.py)
 MAX_BACKOFF_S = 30.0
 RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
 SIGNATURE_HEADER = "X-OCR-Signature"
@@ -297,7 +298,7 @@ class WebhookSender:
                     outcome == "http_error" and status is not None and (status >= 500 or status in RETRY_STATUSES))
                 if outcome == "delivered" or not retry or attempt >= settings.jobs.webhook.max_attempts:
                     return outcome, attempt, status
-                await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (attempt - 1)))
+                await asyncio.sleep(retry_wait_s(attempt - 1, BACKOFF_S, MAX_BACKOFF_S))
 
     async def _attempt(self, client: httpx.AsyncClient, target: WebhookTarget, body: bytes,
                        delivery_id: str) -> tuple[Outcome, int | None]:

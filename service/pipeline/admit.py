@@ -91,7 +91,7 @@ class Charge:
         if cost <= self.amount:
             return self
         decision = await self.ctx.limiter.acquire(self.principal.tenant, cost - self.amount, rate, burst)
-        self.headers = decision.headers()
+        self.headers = decision.headers(self.ctx.settings.rate_limit.cost)
         if not decision.allowed:
             raise OCRError("rate_limited", f"rate limit exceeded for tenant {self.principal.tenant!r}",
                            headers=self.headers)

@@ -197,3 +197,18 @@ async def test_a_tenant_cannot_see_or_cancel_another_tenants_job():
         assert (await client.get(f"/v1/jobs/{job['id']}")).status_code == 401
         events = parse_sse((await client.get(f"/v1/jobs/{job['id']}/events", headers=alice)).text)
         assert events[-1][2]["status"] == "succeeded"  # bob's DELETE did not cancel it
+
+
+async def test_page_retries_wait_jittered_exponential_steps(monkeypatch):
+    from service.jobs import runner as runner_module
+    from tests.unit.test_retry_backoff import recording
+
+    calls = recording(monkeypatch, runner_module)
+    engine = MockEngine()
+    engine.fail_next = 3
+    async with make_client(engine, job_page_concurrency=1, job_page_retries=2) as client:
+        job = (await client.post("/v1/jobs", files=image_parts(1), data={"task": "text"})).json()
+        parse_sse((await client.get(job["links"]["events"])).text)
+    assert [retry for retry, _, _ in calls] == [0, 1]  # two retries, each after a wait
+    assert all(step / 2 <= wait <= step for _, wait, step in calls)
+    assert [step for _, _, step in calls] == [runner_module.RETRY_BACKOFF_S, 2 * runner_module.RETRY_BACKOFF_S]

@@ -462,3 +462,17 @@ async def test_https_webhook_uses_sni_and_verifies_the_certificate_for_the_name(
     assert receiver.requests[0].headers["host"] == f"hooks.example.test:{receiver.port}"
     assert receiver.sni_names[0] == "hooks.example.test"
     assert recorder.outcomes() == ["delivered", "unreachable"]
+
+
+async def test_delivery_retries_wait_jittered_exponential_steps(receivers, monkeypatch):
+    from tests.unit.test_retry_backoff import recording
+
+    calls = recording(monkeypatch, webhook_module)
+    receiver = receivers(statuses=(503,))
+    client, runner, _ = make_app(webhook_max_attempts=3, **LOOPBACK_ONLY)
+    async with client:
+        await post_job(client, receiver.url())
+        await finish(runner)
+    assert len(receiver.requests) == 3 and [retry for retry, _, _ in calls] == [0, 1]
+    assert all(step / 2 <= wait <= step for _, wait, step in calls)
+    assert [step for _, _, step in calls] == [webhook_module.BACKOFF_S, 2 * webhook_module.BACKOFF_S]

@@ -12,7 +12,7 @@ from base64 import b64encode
 import fakeredis
 import pytest
 
-from service.admission.ratelimit import FailoverLimiter, LocalTokenBucket, RedisTokenBucket
+from service.admission.ratelimit import Decision, FailoverLimiter, LocalTokenBucket, RedisTokenBucket
 from service.engine.mock import MockEngine
 from tests.fixtures.api_inprocess import make_client
 from tests.fixtures.jobs import png
@@ -89,3 +89,11 @@ async def test_no_redis_uses_the_in_process_bucket():
         statuses = [(await client.post("/v1/ocr", json={"image": b64encode(png()).decode(), "task": "text"})).status_code
                     for _ in range(3)]
     assert statuses == [200, 200, 429] and len(engine.requests) == 2
+
+
+def test_the_policy_names_its_quota_unit_unless_it_is_requests():
+    decision = Decision(True, 100.0, 40.4, 29.5, 0.0, 50.0)
+    assert decision.headers("requests")["RateLimit-Policy"] == '"tenant";q=100;w=50'
+    assert decision.headers("pages")["RateLimit-Policy"] == '"tenant";q=100;w=50;qu="pages"'
+    assert decision.headers("image_tokens")["RateLimit-Policy"] == '"tenant";q=100;w=50;qu="image-tokens"'
+    assert decision.headers()["RateLimit"] == '"tenant";r=40;t=30'
