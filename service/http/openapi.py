@@ -8,13 +8,13 @@ are static (the settings this app runs with: field counts and lengths, message a
 is in the descriptions and answers with the error table's codes.
 
 Also: the error envelope (`ErrorResponse`) for every error status, also the 422s FastAPI would document with its own
-body; the OpenAI response objects and every Server-Sent Events stream (as an array of its events: `event`, `id`,
+body; the OpenAI response objects and every Server-Sent Events stream (the schema of one event: `event`, `id`,
 `data` parsed as JSON); `links` from a job to its status, events and cancel, and from the adapter list to load and
 unload; the security schemes (`Authorization: Bearer` and `X-API-Key`), optional in open mode.
 
 Image fields carry the formats `image-base64` (base64 or a base64 `data:` URL of an image or PDF) and
 `image-data-url` (a base64 `data:` URL of an image), so that tools can generate real images for them (the
-schemathesis run in tests/unit/test_openapi_document.py does).
+schemathesis hooks in tests/unit/openapi_hooks.py do).
 """
 
 from __future__ import annotations

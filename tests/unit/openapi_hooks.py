@@ -1,6 +1,6 @@
-"""Schemathesis hooks for the service's OpenAPI document (loaded by the CLI through SCHEMATHESIS_HOOKS, and imported
-by the in-process fuzz test): real files for the image formats and upload media types the document names, so that
-schema-valid requests can succeed, and a reader for Server-Sent Events responses (documented as arrays of events)."""
+"""Schemathesis hooks for the service's OpenAPI document (loaded by its runner through SCHEMATHESIS_HOOKS in
+tests/integration/test_openapi_schemathesis.py, and imported by tests/unit/test_fuzz_openapi.py): real files for the
+image formats and upload media types the document names, so that schema-valid requests can succeed."""
 
 from __future__ import annotations
 
