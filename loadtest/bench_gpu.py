@@ -638,7 +638,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence-cost", action="store_true", help="also the arms raw-noconf and service-noconf "
                    "(no token logprobs): what confidences cost")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
-                   help="a vLLM engine argument for every server (the service's vllm_extra_args), e.g. "
+                   help="a vLLM engine argument for every server (added to the service's engine_kwargs), e.g. "
                    "max_num_batched_tokens=16384")
     p.add_argument("--rounds", type=int, default=0, help=f"rounds of the sweep (default 0: as many as fit, "
                    f"{MIN_ROUNDS}-{MAX_ROUNDS})")

