@@ -327,6 +327,7 @@ def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | No
         env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
         env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
         env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
+        env.setdefault("OCR_METRICS_EXPORT_PORT", "")  # empty: Ray picks a free metrics port (not the fixed 8080)
         env.update(extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)

@@ -583,8 +583,9 @@ class ObservabilityConfig(Section):
     metrics_enabled: bool = Field(
         True, description="Record `ocr_*` (and vLLM's `vllm:*`) metrics through Ray's metrics agent.")
     metrics_export_port: int | None = Field(
-        None, ge=1, le=65535, description="`ocr-serve serve`: port of Ray's Prometheus endpoint on this node (None = "
-        "Ray picks a free one; KubeRay uses 8080).")
+        8080, ge=1, le=65535, description="`ocr-serve serve`: port of Ray's Prometheus endpoint on this machine, the "
+        "one `ocr-serve metrics prometheus-config` scrapes (8080, as in KubeRay's pods). Empty (null) = any free "
+        "port, printed at start. A port in use stops the start.")
     latency_slo_s: float = Field(
         10.0, gt=0, description="p95 end-to-end latency objective in seconds (dashboards, `OCRHighP95Latency` alert).")
 

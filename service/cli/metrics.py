@@ -3,14 +3,18 @@ metrics ports with the product's relabel rules."""
 
 from __future__ import annotations
 
+import sys
+
 from service.observability.metrics import prometheus_config, reference_table
 
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser("metrics", help="metrics reference and a prometheus.yml for Ray metrics ports")
     p.add_argument("what", choices=["table", "prometheus-config"])
-    p.add_argument("--target", action="append", default=[], help="host:port of a Ray metrics port (repeatable)")
-    p.add_argument("--scrape-interval", default="15s")
+    p.add_argument("--target", action="append", default=[],
+                   help="host:port of a Ray metrics port (repeatable; default: 127.0.0.1 and the port `ocr-serve "
+                        "serve` exports on, OCR_METRICS_EXPORT_PORT, 8080 unless set)")
+    p.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval (default 15s)")
     p.set_defaults(func=_cmd_metrics)
 
 
@@ -19,7 +23,16 @@ def _cmd_metrics(args) -> int:
 
     if args.what == "table":
         print(reference_table())
-    else:
-        print(yaml.safe_dump(prometheus_config(args.target or ["127.0.0.1:8080"],
-                                               scrape_interval=args.scrape_interval), sort_keys=False))
+        return 0
+    targets = args.target
+    if not targets:
+        from service.cli.config import settings_or_exit
+
+        port = settings_or_exit().observability.metrics_export_port
+        if port is None:
+            print("ocr-serve metrics: OCR_METRICS_EXPORT_PORT is empty (a free port each start): pass --target "
+                  "127.0.0.1:<the port `ocr-serve serve` printed>", file=sys.stderr, flush=True)
+            return 2
+        targets = [f"127.0.0.1:{port}"]
+    print(yaml.safe_dump(prometheus_config(targets, scrape_interval=args.scrape_interval), sort_keys=False))
     return 0

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 import threading
 import time
 
@@ -25,8 +26,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
     # HAProxy in front with the vLLM engine: a GPU engine's latency shows the proxy actor's milliseconds
     # (docs/design/http-front-end.md)
-    local.start_ray(num_gpus=None, metrics_export_port=settings.observability.metrics_export_port,
-                    haproxy=settings.engine.kind == "vllm")
+    try:
+        local.start_ray(num_gpus=None, metrics_export_port=settings.observability.metrics_export_port,
+                        haproxy=settings.engine.kind == "vllm")
+    except local.PortInUse as exc:
+        print(f"ocr-serve: {exc}", file=sys.stderr, flush=True)
+        return 1
     stop = threading.Event()
     hurry = threading.Event()  # a second signal: stop waiting for in-flight requests (they still get their 503)
 
@@ -45,6 +50,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # before the ready line, which is what scripts wait for
     print(f"ocr-serve: replica logs in {local.replica_logs_dir()}", flush=True)
     print(f"ocr-serve: Ray cluster at {local.ray_address()} (`ocr-serve drain --address` it)", flush=True)
+    # `ocr-serve metrics prometheus-config` targets the configured port; with a free port it needs --target
+    port = local.metrics_port()
+    target = "" if port == settings.observability.metrics_export_port else f" --target 127.0.0.1:{port}"
+    print(f"ocr-serve: metrics at {local.metrics_url()} (scrape config: `ocr-serve metrics prometheus-config{target}`)",
+          flush=True)
     print(f"ocr-serve: {settings.engine.kind} {READY_MARKER} {url} in {time.monotonic() - started:.1f}s "
           f"(POST {url}/v1/ocr, docs {url}/docs, metrics {local.metrics_url()})", flush=True)
     stop.wait()

@@ -50,10 +50,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class PortInUse(RuntimeError):
+    """A port this machine's service needs is taken (the message is the one line `ocr-serve serve` prints)."""
+
+
+def check_metrics_port(port: int) -> None:
+    """Ray's metrics agent binds `port` on loopback when the cluster starts; taken, the agent fails inside Ray with
+    nothing on this terminal, so the start stops here instead."""
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise PortInUse(f"metrics port {port} on 127.0.0.1: {exc.strerror or exc} (another `ocr-serve serve` or "
+                            f"another server?); set OCR_METRICS_EXPORT_PORT to a free port, or empty for any free "
+                            f"one") from None
+
+
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None, haproxy: bool = False) -> None:
-    """Ray on this machine for the service; `haproxy`: HAProxy as the HTTP front end unless the environment sets
-    RAY_SERVE_ENABLE_HA_PROXY."""
+    """Ray on this machine for the service; its metrics agent on `metrics_export_port` (None: a free port; PortInUse
+    if it is taken); `haproxy`: HAProxy as the HTTP front end unless the environment sets RAY_SERVE_ENABLE_HA_PROXY."""
     from service.serve.edge import PROXY_CALLBACK_ENV
 
     for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV, **WORKER_PRIORITY_ENV, **PROXY_CALLBACK_ENV}.items():
@@ -76,6 +94,8 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
 
     if ray.is_initialized():
         return
+    if metrics_export_port is not None:
+        check_metrics_port(metrics_export_port)
     ray.init(
         address="local",
         _node_ip_address="127.0.0.1",
@@ -84,7 +104,7 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
         num_gpus=num_gpus,
         logging_level=logging.WARNING,
         log_to_driver=True,
-        _metrics_export_port=metrics_export_port,  # Prometheus endpoint of this node (None = a free port)
+        _metrics_export_port=metrics_export_port,  # Prometheus endpoint of this node (None: a free port)
     )
 
 
@@ -125,12 +145,18 @@ def connect_ray(address: str) -> None:
     ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **node_ip)
 
 
-def metrics_url() -> str | None:
-    """Prometheus endpoint of this node's Ray metrics agent (the service's `ocr_*` metrics; docs/METRICS.md)."""
+def metrics_port() -> int | None:
+    """The port of this node's Ray metrics agent (the service's `ocr_*` metrics; docs/METRICS.md)."""
     import ray
 
     ports = [n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
-    return f"http://127.0.0.1:{ports[0]}/metrics" if ports else None
+    return ports[0] if ports else None
+
+
+def metrics_url() -> str | None:
+    """Prometheus endpoint of this node's Ray metrics agent."""
+    port = metrics_port()
+    return f"http://127.0.0.1:{port}/metrics" if port else None
 
 
 def ray_address() -> str:

@@ -289,3 +289,43 @@ def test_engine_adapter_use_counts_hits_loads_and_refused_adapters():
     with metrics.ongoing():
         assert recorder.of("ocr_engine_ongoing_requests")[-1][2] == 1
     assert recorder.of("ocr_engine_ongoing_requests")[-1][2] == 0
+
+
+# --- `ocr-serve metrics prometheus-config` and `ocr-serve serve` agree on the metrics port ---------------------------
+
+
+def test_prometheus_config_scrapes_the_port_serve_exports_on(monkeypatch, capsys):
+    from service.cli.main import main
+    from service.config import Settings
+
+    for name in [n for n in __import__("os").environ if n.startswith("OCR_")]:
+        monkeypatch.delenv(name)
+    assert Settings().observability.metrics_export_port == 8080  # serve's default (KubeRay's port too)
+    assert main(["metrics", "prometheus-config"]) == 0
+    job = yaml.safe_load(capsys.readouterr().out)["scrape_configs"][0]
+    assert job["static_configs"] == [{"targets": ["127.0.0.1:8080"]}]
+    assert job["metric_relabel_configs"] == METRIC_RELABEL_CONFIGS
+
+    monkeypatch.setenv("OCR_METRICS_EXPORT_PORT", "9464")
+    assert main(["metrics", "prometheus-config"]) == 0
+    job = yaml.safe_load(capsys.readouterr().out)["scrape_configs"][0]
+    assert job["static_configs"] == [{"targets": ["127.0.0.1:9464"]}]
+
+    # a free port each start: the command cannot know it and says what to pass
+    monkeypatch.setenv("OCR_METRICS_EXPORT_PORT", "")
+    assert main(["metrics", "prometheus-config"]) == 2
+    assert "--target" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_taken_metrics_port_in_one_line():
+    import socket
+
+    from service.serve.local import PortInUse, check_metrics_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortInUse, match=f"metrics port {port} on 127.0.0.1: .*OCR_METRICS_EXPORT_PORT"):
+            check_metrics_port(port)
+    check_metrics_port(port)  # free again
