@@ -178,15 +178,18 @@ class KeyFileAuthenticator:
     """Authenticates against the hashed keys of a key file; re-reads the file when it changes.
 
     A file that fails to parse after a change is reported once and the previous keys stay in force (a half-written
-    file must not lock everyone out); at start an invalid file is an error.
+    file must not lock everyone out); at start an invalid file is an error. `on_tenants(tenants)` is called with the
+    file's tenants at start and after each reload (the metrics start their label sets at 0 with it).
     """
 
     open_mode = False
 
-    def __init__(self, path: Path, *, reload_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, path: Path, *, reload_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 on_tenants: Callable[[set[str]], None] | None = None):
         self.path = Path(path)
         self.reload_interval_s = reload_interval_s
         self._clock = clock
+        self._on_tenants = on_tenants
         self._by_hash: dict[str, KeyRecord] = {}
         self._signature: str | None = None
         self._next_check = 0.0
@@ -206,6 +209,11 @@ class KeyFileAuthenticator:
         parsed = load_key_file(self.path)
         self._by_hash = {r.sha256: r for r in parsed.keys}
         self._signature = signature
+        if self._on_tenants is not None:
+            try:
+                self._on_tenants({record.tenant for record in parsed.keys})
+            except Exception:  # a metrics hook must never fail authentication
+                log.exception("API keys: on_tenants hook failed")
 
     def _maybe_reload(self) -> None:
         now = self._clock()
@@ -242,10 +250,12 @@ class KeyFileAuthenticator:
         return record.principal()
 
 
-def make_authenticator(settings):
-    """The authenticator the settings ask for; without a key file the open (development) one, announced loudly."""
+def make_authenticator(settings, on_tenants: Callable[[set[str]], None] | None = None):
+    """The authenticator the settings ask for; without a key file the open (development) one, announced loudly.
+    `on_tenants`: see KeyFileAuthenticator."""
     if settings.auth.api_keys_file is not None:
-        return KeyFileAuthenticator(settings.auth.api_keys_file, reload_interval_s=settings.auth.api_keys_reload_interval_s)
+        return KeyFileAuthenticator(settings.auth.api_keys_file, reload_interval_s=settings.auth.api_keys_reload_interval_s,
+                                    on_tenants=on_tenants)
     announce_open_service()
     return OpenAuthenticator()
 

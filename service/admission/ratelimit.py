@@ -214,6 +214,7 @@ class RedisTokenBucket:
 
 
 BackendErrorHook = Callable[[BaseException], None]
+FallbackHook = Callable[[str, bool], None]  # (fail mode, deciding without Redis now)
 
 
 class FailoverLimiter:
@@ -221,28 +222,39 @@ class FailoverLimiter:
 
     `on_backend_error(exc)` is called once per failed Redis call (the metrics layer counts
     `ocr_ratelimit_backend_errors_total` with it); `backend_errors` counts the same, `degraded` says whether
-    decisions are currently local.
+    decisions are currently local. `on_fallback(fail_mode, degraded)` is called at start (False) and whenever
+    `degraded` changes (the `ocr_ratelimit_fallback` gauge).
     """
 
     def __init__(self, primary: Limiter, *, fail_mode: Literal["open", "closed"] = "open", replicas: int = 1,
                  probe_interval_s: float = 1.0, log_interval_s: float = 30.0,
-                 on_backend_error: BackendErrorHook | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_backend_error: BackendErrorHook | None = None, on_fallback: FallbackHook | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.primary = primary
         self.fallback = LocalTokenBucket(clock=clock, replicas=replicas)
         self.fail_mode = fail_mode
         self.probe_interval_s = probe_interval_s
         self.log_interval_s = log_interval_s
         self.on_backend_error = on_backend_error
+        self.on_fallback = on_fallback
         self.backend_errors = 0
         self._clock = clock
         self._next_probe = 0.0  # while degraded: when the next request may try Redis again
         self._degraded_since: float | None = None
         self._last_log = -math.inf
         self._errors_since_log = 0
+        self._report_fallback()
 
     @property
     def degraded(self) -> bool:
         return self._degraded_since is not None
+
+    def _report_fallback(self) -> None:
+        if self.on_fallback is not None:
+            try:
+                self.on_fallback(self.fail_mode, self.degraded)
+            except Exception:  # a metrics hook must never fail a request
+                log.exception("rate limiter: on_fallback hook failed")
 
     async def acquire(self, tenant: str, cost: float, rate: float, burst: float) -> Decision:
         now = self._clock()
@@ -259,6 +271,7 @@ class FailoverLimiter:
             log.warning("rate limiter: Redis is back after %.1fs; shared buckets in use again",
                         self._clock() - self._degraded_since)
             self._degraded_since = None
+            self._report_fallback()
         return decision
 
     async def adjust(self, tenant: str, delta: float, rate: float, burst: float) -> None:
@@ -284,6 +297,7 @@ class FailoverLimiter:
                 log.exception("rate limiter: on_backend_error hook failed")
         if self._degraded_since is None:
             self._degraded_since = now
+            self._report_fallback()
         self._next_probe = now + self.probe_interval_s
         if now - self._last_log >= self.log_interval_s:
             # the exception type only: its text may contain the Redis URL (and its password)
@@ -305,7 +319,8 @@ class FailoverLimiter:
         await self.primary.close()
 
 
-def make_limiter(settings, on_backend_error: BackendErrorHook | None = None) -> Limiter:
+def make_limiter(settings, on_backend_error: BackendErrorHook | None = None,
+                 on_fallback: FallbackHook | None = None) -> Limiter:
     """The limiter the settings ask for: Redis with failover when `redis_url` is set, else in-process buckets
     holding this replica's share."""
     replicas = settings.serve.ingress_options()["num_replicas"]
@@ -317,4 +332,4 @@ def make_limiter(settings, on_backend_error: BackendErrorHook | None = None) -> 
     return FailoverLimiter(primary, fail_mode=settings.rate_limit.fail_mode, replicas=replicas,
                            probe_interval_s=settings.rate_limit.probe_interval_s,
                            log_interval_s=settings.rate_limit.backend_log_interval_s,
-                           on_backend_error=on_backend_error)
+                           on_backend_error=on_backend_error, on_fallback=on_fallback)

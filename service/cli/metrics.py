@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from service.observability.metrics import prometheus_config, reference_table
+from service.observability.metrics import LOCAL_NAMESPACE, LOCAL_RELEASE, prometheus_config, reference_table
 
 
 def add_cli(subparsers) -> None:
@@ -15,6 +15,11 @@ def add_cli(subparsers) -> None:
                    help="host:port of a Ray metrics port (repeatable; default: 127.0.0.1 and the port `ocr-serve "
                         "serve` exports on, OCR_METRICS_EXPORT_PORT, 8080 unless set)")
     p.add_argument("--scrape-interval", default="15s", help="scrape and rule evaluation interval (default 15s)")
+    p.add_argument("--namespace", default=LOCAL_NAMESPACE,
+                   help=f"`namespace` label of the targets, as dashboards and alerts group by it (default "
+                        f"{LOCAL_NAMESPACE})")
+    p.add_argument("--release", default=LOCAL_RELEASE,
+                   help=f"`ocr_release` label of the targets (default {LOCAL_RELEASE})")
     p.set_defaults(func=_cmd_metrics)
 
 
@@ -34,5 +39,6 @@ def _cmd_metrics(args) -> int:
                   "127.0.0.1:<the port `ocr-serve serve` printed>", file=sys.stderr, flush=True)
             return 2
         targets = [f"127.0.0.1:{port}"]
-    print(yaml.safe_dump(prometheus_config(targets, scrape_interval=args.scrape_interval), sort_keys=False))
+    print(yaml.safe_dump(prometheus_config(targets, scrape_interval=args.scrape_interval, namespace=args.namespace,
+                                           release=args.release), sort_keys=False))
     return 0

@@ -232,6 +232,7 @@ class JobRunner:
                                                            "heartbeat_at": now, "finished_at": now}))
         await self._fail_missing_pages(record, error)
         self.ctx.metrics.job_lost()
+        self.ctx.metrics.job_finished("failed")
         log.warning("job %s: its state vanished from the job store (Redis restart or failover without the data); "
                     "stopped and marked failed `job_lost`", record.id)
 
@@ -239,6 +240,7 @@ class JobRunner:
         now = time.time()
         if cancelled:
             await self.store.update(record.id, status="cancelled", updated_at=now, finished_at=now)
+            self.ctx.metrics.job_finished("cancelled")
             return
         await self._fail_missing_pages(record, ErrorInfo(code="internal_error",
                                                          message="the page was not processed (internal error)"))
@@ -246,6 +248,7 @@ class JobRunner:
         failed = state[2] if state else record.pages_total
         status = "succeeded" if failed == 0 else "failed" if failed >= record.pages_total else "partial"
         await self.store.update(record.id, status=status, updated_at=now, finished_at=now)
+        self.ctx.metrics.job_finished(status)
 
     async def _watch(self, record: JobRecord, job_task: asyncio.Task | None, lost: asyncio.Event) -> None:
         """Heartbeat (and the running-job slot's lease) for readers on other replicas; cancel flag set by a DELETE

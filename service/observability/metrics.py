@@ -13,22 +13,29 @@ Labels are bounded: task names come from the task table (else `unknown`), status
 authentication), adapters only after the engine accepted them.
 Ray histograms keep exact bucket counts but approximate `_sum` (bucket midpoints): exact totals (tokens) are
 separate counters.
+
+Counters start at 0: a series that first appears already at 1 (or 36) is one that `rate()`/`increase()` read as no
+increase, so a replica's first errors would be invisible. Each replica therefore exports every label set it can
+know at start (`start_at_zero`: error table x endpoint x task, tenants of the key file and those a reload adds,
+adapters) at 0 before it counts anything; `zero_series_count` says how many that is.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
+from service.errors import ERROR_CODES
 from service.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
 Kind = Literal["counter", "gauge", "histogram"]
-Process = Literal["ingress", "engine"]
+Process = Literal["ingress", "engine", "replica"]  # replica: every replica records it (both kinds)
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 IMAGE_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -36,6 +43,18 @@ OUTPUT_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 
 STAGES = ("decode", "queue", "engine", "preprocess", "first_token", "generate", "delivery", "parse")
+# `endpoint` label → the statuses of its successes (code `ok`); service/http/middleware.py COUNTED_ENDPOINTS maps
+# routes to these names
+ENDPOINT_SUCCESS_STATUSES = {"ocr": ("200",), "jobs": ("200", "202")}
+CLIENT_DISCONNECTED = ("499", "client_disconnected")  # nginx's status for a client gone before its answer
+AUTH_FAILURE_CODES = ("unauthorized", "forbidden", "ambiguous_credentials")
+# service/jobs/webhook.py OUTCOMES and the terminal job states of service/jobs/model.py (tests keep them equal)
+WEBHOOK_OUTCOMES = ("delivered", "redirect", "http_error", "timeout", "unreachable", "error")
+JOB_END_STATES = ("succeeded", "partial", "failed", "cancelled")
+# what a failing Redis call raises most (redis-py's ConnectionError and TimeoutError): started at 0 where Redis is used
+COMMON_BACKEND_ERRORS = ("ConnectionError", "TimeoutError")
+TENANT_UNKNOWN = "unknown"  # a request refused before authentication
+
 AUTOSCALING_SETTINGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "latency_target_seconds")
 # Ray's metrics agent drops a gauge series that was not re-reported for 2 report intervals (2 x 10 s), and a process
 # reports only values set since its last report: gauges are re-set this often so idle replicas keep their series.
@@ -70,9 +89,12 @@ class MetricSpec:
 # The registry, in request order: ingress (HTTP → admission → engine call → parse) then engine replicas.
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("ocr_requests", "counter", "ingress",
-               "Finished API requests by endpoint, task, HTTP status, error code (`ok` on success) and tenant; a "
-               "client that disconnected before its whole answer was sent: status 499, code `client_disconnected`.",
-               ("endpoint", "task", "status", "code", "tenant")),
+               "Finished API requests by endpoint, task, HTTP status and error code (`ok` on success); a client that "
+               "disconnected before its whole answer was sent: status 499, code `client_disconnected`.",
+               ("endpoint", "task", "status", "code")),
+    MetricSpec("ocr_tenant_requests", "counter", "ingress",
+               "The same requests by tenant (`unknown` before authentication), HTTP status and error code.",
+               ("tenant", "status", "code")),
     MetricSpec("ocr_request_duration_seconds", "histogram", "ingress",
                "End-to-end request latency in the ingress (body read to last byte sent); outcome "
                "ok | client_error | server_error.", ("endpoint", "task", "outcome"), LATENCY_BUCKETS_S),
@@ -84,6 +106,11 @@ METRICS: tuple[MetricSpec, ...] = (
                ("tenant",)),
     MetricSpec("ocr_ratelimit_backend_errors", "counter", "ingress",
                "Failed rate-limiter backend (Redis) calls; error = exception class.", ("error",)),
+    MetricSpec("ocr_ratelimit_fallback", "gauge", "ingress",
+               "1 while this ingress replica's rate limiter decides without Redis (after a failed call, until a "
+               "probe succeeds): fail_mode open = its local share of each bucket, closed = 503 "
+               "`rate_limiter_unavailable`; 0 with Redis in use. Only where a Redis URL is set; requests update it.",
+               ("fail_mode",)),
     MetricSpec("ocr_redis_resets", "counter", "ingress",
                "Redis restarts, failovers and losses of the service's Redis state noticed by an ingress replica "
                "(each replica counts each event once); data = lost: the state was gone (rate-limit buckets full "
@@ -113,6 +140,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("ocr_webhook_deliveries", "counter", "ingress",
                "Job webhook deliveries by final outcome: delivered | redirect | http_error | timeout | unreachable | "
                "error.", ("outcome",)),
+    MetricSpec("ocr_jobs_finished", "counter", "ingress",
+               "Jobs that ended, by final status: succeeded | partial (some pages failed) | failed (every page failed, "
+               "or its state was lost) | cancelled.", ("status",)),
     MetricSpec("ocr_jobs_lost", "counter", "ingress",
                "Running jobs whose stored state vanished from the job store (Redis restarted or failed over without "
                "its data, or evicted it); the replica running each marks it failed with `job_lost`."),
@@ -121,6 +151,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("ocr_autoscaling_config", "gauge", "ingress",
                "Engine autoscaling settings: min_replicas, max_replicas, target_ongoing_requests, "
                "latency_target_seconds (only when set).", ("setting",)),
+    MetricSpec("ocr_replica_start_time_seconds", "gauge", "replica",
+               "Unix time this replica's process started (one series per Serve replica: restarts and replacements "
+               "show as new series)."),
     MetricSpec("ocr_engine_healthy", "gauge", "engine",
                "1 while this engine replica passes its health check, 0 after a failed one.", ("engine",)),
     MetricSpec("ocr_engine_ongoing_requests", "gauge", "engine", "Requests inside this engine replica now."),
@@ -134,23 +167,40 @@ METRICS: tuple[MetricSpec, ...] = (
 METRICS_BY_NAME = {spec.name: spec for spec in METRICS}
 
 
-# Prometheus `metric_relabel_configs`: Ray's exported names back to the product's names.
+# Labels Ray's exporter puts on every series that name the process and the Ray session: they change whenever a
+# replica's process or the node restarts, while the series' identity is already `replica` (Serve's) or `ReplicaId`
+# (vLLM's). Dropped from the product's series only: Ray's own per-worker metrics need WorkerId to stay distinct.
+CHURNING_RAY_LABELS = ("WorkerId", "SessionName")
+
+# Prometheus `metric_relabel_configs`: Ray's exported names back to the product's names, then the churning labels
+# removed from them (a `replace` with an empty result deletes the label).
 METRIC_RELABEL_CONFIGS: list[dict[str, Any]] = [
     {"source_labels": ["__name__"], "regex": "ray_(ocr_.+)", "target_label": "__name__", "replacement": "$1"},
     {"source_labels": ["__name__"], "regex": "ray_vllm_(.+)", "target_label": "__name__", "replacement": "vllm:$1"},
     {"action": "labeldrop", "regex": "otel_scope_.+"},
+    *({"source_labels": ["__name__"], "regex": "(ocr_|vllm:).+", "target_label": label, "replacement": ""}
+      for label in CHURNING_RAY_LABELS),
 ]
+
+# The labels that scope every alert and dashboard query: the Kubernetes namespace and the Helm release (added by the
+# scrape configuration: the chart's monitors, deploy/grafana/prometheus-scrape.yaml, or prometheus_config below).
+SCOPE_LABELS = ("namespace", "ocr_release")
+LOCAL_NAMESPACE = "local"  # what prometheus_config labels a local service with (no Kubernetes namespace)
+LOCAL_RELEASE = "ocr"
 
 
 def prometheus_config(targets: list[str], *, scrape_interval: str = "15s", job: str = "ray",
-                      rule_files: list[str] | None = None) -> dict[str, Any]:
-    """A prometheus.yml scraping Ray metrics ports (`host:port` of every node) with the product's relabel rules."""
+                      rule_files: list[str] | None = None, namespace: str = LOCAL_NAMESPACE,
+                      release: str = LOCAL_RELEASE) -> dict[str, Any]:
+    """A prometheus.yml scraping Ray metrics ports (`host:port` of every node) with the product's relabel rules;
+    the targets are labelled with `namespace` and `ocr_release` like the chart's, so the dashboards and alerts work
+    unchanged."""
     config: dict[str, Any] = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "scrape_configs": [{
             "job_name": job,
             "scrape_interval": scrape_interval,
-            "static_configs": [{"targets": list(targets)}],
+            "static_configs": [{"targets": list(targets), "labels": {"namespace": namespace, "ocr_release": release}}],
             "metric_relabel_configs": METRIC_RELABEL_CONFIGS,
         }],
     }
@@ -168,6 +218,9 @@ class _Off:
     def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
         return None
 
+    def zero(self, tags: dict[str, str] | None = None) -> None:
+        return None
+
     def set(self, value: float, tags: dict[str, str] | None = None) -> None:
         return None
 
@@ -178,12 +231,29 @@ class _Off:
 InstrumentFactory = Callable[[MetricSpec], Any]
 
 
+class RayCounter:
+    """A `ray.serve.metrics.Counter` that can also export a label set at 0 before its first increment.
+
+    Ray 2.60's `Counter.inc` refuses 0 ("value must be >0"), but the record underneath it (`Metric._record`, which
+    `inc` calls after that check) takes 0: the metrics agent adds it to the series' total and exports the series at 0
+    as a counter (tests/integration/test_metrics_first_burst.py checks this end to end)."""
+
+    def __init__(self, counter: Any):
+        self._counter = counter
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self._counter.inc(value, tags=tags)
+
+    def zero(self, tags: dict[str, str] | None = None) -> None:
+        self._counter._record(0, tags=tags)
+
+
 def ray_serve_instrument(spec: MetricSpec) -> Any:
     """A `ray.serve.metrics` instrument (adds deployment/replica/application labels inside a replica)."""
     from ray.serve import metrics as serve_metrics
 
     if spec.kind == "counter":
-        return serve_metrics.Counter(spec.name, description=spec.description, tag_keys=spec.labels)
+        return RayCounter(serve_metrics.Counter(spec.name, description=spec.description, tag_keys=spec.labels))
     if spec.kind == "gauge":
         return serve_metrics.Gauge(spec.name, description=spec.description, tag_keys=spec.labels)
     return serve_metrics.Histogram(spec.name, description=spec.description, boundaries=list(spec.buckets or ()),
@@ -201,6 +271,16 @@ def instrument_factory(settings) -> InstrumentFactory | None:
     return ray_serve_instrument if ray.is_initialized() else None
 
 
+def process_start_time() -> float:
+    """Unix time this process started (psutil comes with Ray); now where it cannot be read."""
+    try:
+        import psutil
+
+        return psutil.Process().create_time()
+    except Exception:  # no psutil, or no /proc
+        return time.time()
+
+
 class _Metrics:
     """Instruments of one process kind; a failing metric call is logged, never raised into a request."""
 
@@ -210,12 +290,13 @@ class _Metrics:
         self.enabled = factory is not None
         self._instruments: dict[str, Any] = {}
         for spec in METRICS:
-            if spec.process == self.process:
+            if spec.process in (self.process, "replica"):
                 self._instruments[spec.name] = factory(spec) if factory else _Off()
         self._gauge_values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._lock = threading.Lock()  # gauge values are read by the refresher thread
         self._stop = threading.Event()
         self._in_flight_counts: dict[str, int] = {}
+        self._zeroed: set[tuple[str, tuple[tuple[str, str], ...]]] = set()  # label sets exported at 0 (bounded)
 
     def start_refresher(self, interval_s: float = GAUGE_REFRESH_S) -> None:
         """Re-set every gauge periodically (see GAUGE_REFRESH_S) from a daemon thread; `close()` stops it."""
@@ -248,9 +329,22 @@ class _Metrics:
     def close(self) -> None:
         self._stop.set()
 
+    def publish_start_time(self) -> None:
+        self._set("ocr_replica_start_time_seconds", process_start_time())
+
     def _inc(self, name: str, value: float = 1.0, **tags: str) -> None:
-        if value > 0:  # Ray counters reject 0
+        if value > 0:  # Ray counters reject 0 (label sets start at 0 through _zero)
             self._call(name, "inc", value, tags)
+
+    def _zero(self, name: str, label_sets: Iterable[dict[str, str]]) -> None:
+        """Export each label set of counter `name` at 0, once (its first increment is then a visible increase)."""
+        if not self.enabled:
+            return
+        for tags in label_sets:
+            key = (name, tuple(sorted(tags.items())))
+            if key not in self._zeroed:
+                self._zeroed.add(key)
+                self._call(name, "zero", 0, tags)
 
     def _set(self, name: str, value: float, **tags: str) -> None:
         with self._lock:
@@ -262,9 +356,18 @@ class _Metrics:
 
     def _call(self, name: str, method: str, value: float, tags: dict[str, str]) -> None:
         try:
-            getattr(self._instruments[name], method)(value, tags=tags or None)
+            instrument = self._instruments[name]
+            if method == "zero":
+                instrument.zero(tags=tags or None)
+            else:
+                getattr(instrument, method)(value, tags=tags or None)
         except Exception:  # metrics must never fail a request
             log.exception("metric %s.%s failed", name, method)
+
+    @property
+    def zero_series_count(self) -> int:
+        """Counter series this replica exported at 0 (the cardinality zero-initialisation adds)."""
+        return len(self._zeroed)
 
 
 def task_label(task: Any) -> str:
@@ -273,6 +376,21 @@ def task_label(task: Any) -> str:
 
 def outcome_label(status: int) -> str:
     return "ok" if status < 400 else ("client_error" if status < 500 else "server_error")
+
+
+TASK_LABELS = (*TASKS, "unknown")
+
+
+def request_outcomes(endpoint: str) -> list[tuple[str, str]]:
+    """Every (status, code) a request to `endpoint` can end with: its successes, each error of the error table, a
+    client gone before its answer."""
+    return ([(status, "ok") for status in ENDPOINT_SUCCESS_STATUSES[endpoint]]
+            + [(str(status), code) for code, (status, _) in ERROR_CODES.items()] + [CLIENT_DISCONNECTED])
+
+
+def tenant_outcomes() -> list[tuple[str, str]]:
+    """(status, code) pairs of `ocr_tenant_requests` (every endpoint's)."""
+    return sorted({outcome for endpoint in ENDPOINT_SUCCESS_STATUSES for outcome in request_outcomes(endpoint)})
 
 
 class IngressMetrics(_Metrics):
@@ -287,6 +405,7 @@ class IngressMetrics(_Metrics):
     def for_settings(cls, settings) -> "IngressMetrics":
         metrics = cls(instrument_factory(settings))
         metrics.publish_config(settings)
+        metrics.start_at_zero(settings)
         metrics.start_refresher()
         return metrics
 
@@ -301,14 +420,51 @@ class IngressMetrics(_Metrics):
             if value is not None:
                 self._set("ocr_autoscaling_config", float(value), setting=setting)
         self._set("ocr_ingress_waiting_requests", 0)
+        self.publish_start_time()
+
+    # label sets at 0 (module docstring)
+    def start_at_zero(self, settings) -> None:
+        """The label sets this replica can know before its first request: every endpoint x task x (status, code),
+        the tenant-free counters, the pre-authentication tenant `unknown` (and `anonymous` without a key file:
+        key-file tenants come through `tenants_known`), Redis' counters where Redis is used."""
+        self._zero("ocr_requests", ({"endpoint": endpoint, "task": task, "status": status, "code": code}
+                                    for endpoint in ENDPOINT_SUCCESS_STATUSES for task in TASK_LABELS
+                                    for status, code in request_outcomes(endpoint)))
+        self._zero("ocr_tenant_requests", ({"tenant": TENANT_UNKNOWN, "status": status, "code": code}
+                                           for status, code in tenant_outcomes()))
+        if settings.auth.api_keys_file is None:
+            self.tenants_known(["anonymous"])
+        self._zero("ocr_auth_failures", ({"reason": code} for code in AUTH_FAILURE_CODES))
+        for name in ("ocr_image_tokens", "ocr_output_tokens", "ocr_repetition_cutoffs"):
+            self._zero(name, ({"task": task} for task in TASKS))
+        self._zero("ocr_pages", ({"task": task, "source": source} for task in TASKS for source in ("image", "pdf")))
+        self._zero("ocr_webhook_deliveries", ({"outcome": outcome} for outcome in WEBHOOK_OUTCOMES))
+        self._zero("ocr_jobs_finished", ({"status": status} for status in JOB_END_STATES))
+        if settings.redis.url is not None:
+            self._zero("ocr_ratelimit_backend_errors", ({"error": error} for error in COMMON_BACKEND_ERRORS))
+            self._zero("ocr_redis_resets", ({"data": data} for data in ("lost", "kept")))
+            self._zero("ocr_jobs_lost", [{}])
+
+    def tenants_known(self, tenants: Iterable[str]) -> None:
+        """The tenants of the key file, at start and after each reload: their label sets at 0 (new ones only)."""
+        outcomes = tenant_outcomes()
+        for tenant in sorted(set(tenants)):
+            self._zero("ocr_tenant_requests", ({"tenant": tenant, "status": status, "code": code}
+                                               for status, code in outcomes))
+            self._zero("ocr_rate_limited", [{"tenant": tenant}])
+
+    def adapters_known(self, adapters: Iterable[str]) -> None:
+        """Adapters the engine lists (at the first engine info, after an admin load): their label sets at 0."""
+        self._zero("ocr_adapter_requests", ({"adapter": adapter} for adapter in sorted(set(adapters))))
 
     # request level (called by RequestMetricsMiddleware)
     def request_finished(self, *, endpoint: str, task: str, status: int, code: str, tenant: str,
                          seconds: float) -> None:
-        self._inc("ocr_requests", endpoint=endpoint, task=task, status=str(status), code=code, tenant=tenant)
+        self._inc("ocr_requests", endpoint=endpoint, task=task, status=str(status), code=code)
+        self._inc("ocr_tenant_requests", tenant=tenant, status=str(status), code=code)
         self._observe("ocr_request_duration_seconds", seconds, endpoint=endpoint, task=task,
                       outcome=outcome_label(status))
-        if code in ("unauthorized", "forbidden", "ambiguous_credentials"):
+        if code in AUTH_FAILURE_CODES:
             self._inc("ocr_auth_failures", reason=code)
         elif code == "rate_limited":
             self._inc("ocr_rate_limited", tenant=tenant)
@@ -317,6 +473,10 @@ class IngressMetrics(_Metrics):
     def limiter_backend_error(self, exc: BaseException) -> None:
         """`on_backend_error` hook of the failover rate limiter."""
         self._inc("ocr_ratelimit_backend_errors", error=type(exc).__name__)
+
+    def limiter_fallback(self, fail_mode: str, on: bool) -> None:
+        """`on_fallback` hook of the failover rate limiter: it decides without Redis (True) or with it again."""
+        self._set("ocr_ratelimit_fallback", 1.0 if on else 0.0, fail_mode=fail_mode)
 
     def redis_state_changed(self, data: str) -> None:
         """`on_change` hook of the Redis state watch (service/admission/redis_state.py): `lost` or `kept`."""
@@ -352,6 +512,10 @@ class IngressMetrics(_Metrics):
         """One job webhook delivery ended (outcomes: service/jobs/webhook.py OUTCOMES)."""
         self._inc("ocr_webhook_deliveries", outcome=outcome)
 
+    def job_finished(self, status: str) -> None:
+        """A job ended with this final status (JOB_END_STATES)."""
+        self._inc("ocr_jobs_finished", status=status)
+
     def job_lost(self) -> None:
         """A running job's state vanished from the job store; its runner marked it failed `job_lost`."""
         self._inc("ocr_jobs_lost")
@@ -371,8 +535,15 @@ class EngineMetrics(_Metrics):
         metrics = cls(instrument_factory(settings), engine=settings.engine.kind)
         metrics._set("ocr_engine_gpus", float(settings.engine_deployment["ray_actor_options"].get("num_gpus", 0)))
         metrics._set("ocr_engine_ongoing_requests", 0)
+        metrics.publish_start_time()
         metrics.start_refresher()
         return metrics
+
+    def adapters_known(self, adapters: Iterable[str]) -> None:
+        """Adapters the engine lists at start: their label sets at 0."""
+        names = sorted(set(adapters))
+        self._zero("ocr_adapter_loads", ({"adapter": a, "outcome": o} for a in names for o in ("ok", "error")))
+        self._zero("ocr_adapter_cache_hits", ({"adapter": a} for a in names))
 
     def healthy(self, ok: bool) -> None:
         self._set("ocr_engine_healthy", 1.0 if ok else 0.0, engine=self.engine)
@@ -414,8 +585,6 @@ def vllm_stat_loggers(settings) -> list | None:
     from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
     return [RayPrometheusStatLogger]
-
-
 
 
 # --- documentation -------------------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ class AppContext:
                                 "processor (%s); the engine resizes", exc)
                     info = info.model_copy(update={"image_processor": None})
             self.engine_info = info
+            self.metrics.adapters_known(info.adapters)
         return self.engine_info
 
 
@@ -76,9 +77,12 @@ def build_context(settings: Settings, engine_client: EngineClient) -> AppContext
     """AppContext with the admission components the settings ask for."""
     metrics = IngressMetrics.for_settings(settings)
     # limiter: Redis buckets (with failover) when redis_url is set, else this replica's share in-process;
-    # Redis failures are counted as `ocr_ratelimit_backend_errors_total`, Redis restarts and state losses as
-    # `ocr_redis_resets_total`
-    return AppContext(settings=settings, engine=engine_client, authenticator=make_authenticator(settings),
-                      limiter=make_limiter(settings, on_backend_error=metrics.limiter_backend_error),
+    # Redis failures are counted as `ocr_ratelimit_backend_errors_total`, decisions without Redis show in
+    # `ocr_ratelimit_fallback`, Redis restarts and state losses in `ocr_redis_resets_total`; the key file's tenants
+    # (at start and at each reload) get their label sets at 0
+    return AppContext(settings=settings, engine=engine_client,
+                      authenticator=make_authenticator(settings, on_tenants=metrics.tenants_known),
+                      limiter=make_limiter(settings, on_backend_error=metrics.limiter_backend_error,
+                                           on_fallback=metrics.limiter_fallback),
                       redis_watch=make_redis_state_watch(settings, on_change=metrics.redis_state_changed),
                       metrics=metrics)

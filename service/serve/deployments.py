@@ -41,6 +41,7 @@ class EngineDeployment:
         self.latency = LatencyWindow(window_s=self.settings.serve.autoscaling()["look_back_period_s"])
         self.metrics = EngineMetrics.for_settings(self.settings)  # ocr_engine_* of this replica
         await self.engine.start()
+        self.metrics.adapters_known(await self.engine.list_adapters())
         self.metrics.healthy(True)
         # LoRA adapters through Serve model multiplexing: requests for an adapter are routed to replicas that hold
         # it; past max_adapters_per_replica, Serve evicts the least recently used one (its slot frees vLLM's)

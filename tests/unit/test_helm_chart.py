@@ -370,6 +370,30 @@ def test_monitoring_objects(chart_renders):
     pod_monitor = find(objects, "PodMonitor")[0]
     assert pod_monitor["spec"]["podMetricsEndpoints"][0]["metricRelabelings"] == camel
     assert find(objects, "ServiceMonitor")[0]["spec"]["endpoints"][0]["metricRelabelings"] == camel
+    # targets carry the release; the operator adds `namespace` (alerts and dashboards group by both)
+    scope = [{"action": "replace", "targetLabel": "ocr_release", "replacement": "ocr"}]
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] == scope
+    assert find(objects, "ServiceMonitor")[0]["spec"]["endpoints"][0]["relabelings"] == scope
+
+
+def test_dashboards_get_a_uid_and_title_per_release():
+    """Two releases (or one name in two namespaces) ship dashboards that do not overwrite each other in Grafana."""
+    def dashboards(name: str, namespace: str) -> dict[str, dict]:
+        objects = rendered_objects(render_chart({"metrics": {"dashboards": {"enabled": True}}}, name=name,
+                                                namespace=namespace))
+        return {next(iter(cm["data"])): json.loads(next(iter(cm["data"].values())))
+                for cm in find(objects, "ConfigMap") if cm["metadata"]["labels"].get("grafana_dashboard")}
+
+    first, second, other_ns = dashboards("ocr", "team-a"), dashboards("ocr-canary", "team-a"), dashboards("ocr", "b")
+    assert first.keys() == second.keys() == other_ns.keys() and len(first) == 4
+    uids = [d["uid"] for d in (*first.values(), *second.values(), *other_ns.values())]
+    assert len(set(uids)) == len(uids) and all(len(uid) <= 40 for uid in uids), uids
+    canonical = json.loads((REPO / "deploy/grafana/dashboards/overview.json").read_text())
+    assert first["overview.json"]["uid"].startswith(canonical["uid"] + "-")
+    assert first["overview.json"]["title"] == canonical["title"] + " (team-a/ocr)"
+    # only uid and title differ from the canonical file
+    assert {k: v for k, v in first["overview.json"].items() if k not in ("uid", "title")} == \
+        {k: v for k, v in canonical.items() if k not in ("uid", "title")}
 
 
 def test_network_policy_limits_engine_egress(chart_renders):

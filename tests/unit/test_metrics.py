@@ -26,7 +26,8 @@ from service.observability.metrics import (
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
-METRIC_NAME = re.compile(r"\b((?:ocr_|vllm:)[a-zA-Z0-9_:]+)")
+METRIC_NAME = re.compile(r"\b((?:ocr_(?!release\b)|vllm:)[a-zA-Z0-9_:]+)")
+SCOPE_SELECTOR = 'namespace=~"$namespace", ocr_release=~"$release"'
 
 
 def load(path: Path) -> dict:
@@ -120,7 +121,46 @@ def test_dashboards_reference_only_defined_metrics():
     assert not unused, unused
 
 
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.stem)
+def test_dashboards_are_scoped_by_namespace_and_release(path: Path):
+    """Every metric selector of every query filters on the namespace and release variables (with `All`, one
+    release's panels can still be picked apart: the variables list each)."""
+    dash = load(path)
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["namespace"]["query"]["query"] == "label_values(ocr_requests_total, namespace)"
+    assert variables["release"]["query"]["query"] == \
+        'label_values(ocr_requests_total{namespace=~"$namespace"}, ocr_release)'
+    exprs = exprs_of(dash) + [v["query"]["query"] for v in variables.values()
+                              if v["type"] == "query" and v["name"] not in ("namespace", "release")]
+    for expr in exprs:
+        for match in re.finditer(r"\b((?:ocr_(?!release\b)|vllm:)[a-zA-Z0-9_:]+)(\{[^}]*\})?", expr):
+            assert match.group(2) and match.group(2)[1:].startswith(SCOPE_SELECTOR), (path.name, expr)
+
+
 # --- alerts --------------------------------------------------------------------------------------------------------
+
+
+def alert_rules() -> list[dict]:
+    return [rule for group in yaml.safe_load((GRAFANA / "alerts.yaml").read_text())["groups"] for rule in group["rules"]]
+
+
+def test_every_alert_is_scoped_and_has_a_runbook_section():
+    runbook = (ROOT / "docs" / "RUNBOOK.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", line[3:].strip().lower()).replace(" ", "-")
+               for line in runbook.splitlines() if line.startswith("## ")}
+    for rule in alert_rules():
+        name = rule["alert"]
+        # every aggregation keeps the scope labels, so one release's health never hides another's
+        for grouping in re.findall(r"\b(?:sum|max|min|count|group|avg)\s*(?:by\s*\(([^)]*)\))?\s*\(", rule["expr"]):
+            assert {"namespace", "ocr_release"} <= {g.strip() for g in grouping.split(",")}, (name, rule["expr"])
+        assert "{{ $labels.ocr_release }}" in rule["annotations"]["summary"], name
+        url = rule["annotations"]["runbook_url"]
+        assert url.endswith(f"docs/RUNBOOK.md#{name.lower()}"), (name, url)
+        assert name.lower() in anchors, f"docs/RUNBOOK.md has no section `## {name}`"
+        section = runbook.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
+        for part in ("What it means", "What to check", "What to do"):
+            assert f"**{part}**" in section, (name, part)
+
 
 
 def test_alert_rules_reference_defined_metrics():
@@ -128,7 +168,8 @@ def test_alert_rules_reference_defined_metrics():
     for group in yaml.safe_load((GRAFANA / "alerts.yaml").read_text())["groups"]:
         for rule in group["rules"]:
             for name in METRIC_NAME.findall(rule["expr"]):
-                assert name in known, (rule["alert"], name)
+                # vLLM's names: those the dashboards use (checked against vLLM's definitions in tests/engine)
+                assert name in known or name in set().union(*dashboard_metric_names().values()), (rule["alert"], name)
 
 
 # --- scrape configuration shipped for Prometheus --------------------------------------------------------------------
@@ -147,6 +188,32 @@ def test_shipped_scrape_configs_use_the_relabel_rules():
     assert pod_monitor["kind"] == "PodMonitor"
     for endpoint in pod_monitor["spec"]["podMetricsEndpoints"]:
         assert endpoint["metricRelabelings"] == [_camel(c) for c in METRIC_RELABEL_CONFIGS]
+
+
+def test_relabel_rules_drop_rays_per_process_labels_from_product_series_only():
+    """Applied as Prometheus does (a `replace` to an empty value deletes the label): WorkerId/SessionName change at
+    every replica or node restart, so they leave the product's series; Ray's own per-worker series keep them."""
+    def relabel(labels: dict[str, str]) -> dict[str, str]:
+        labels = dict(labels)
+        for rule in METRIC_RELABEL_CONFIGS:
+            if rule.get("action") == "labeldrop":
+                labels = {k: v for k, v in labels.items() if not re.fullmatch(rule["regex"], k)}
+                continue
+            value = ";".join(labels.get(name, "") for name in rule["source_labels"])
+            match = re.fullmatch(rule["regex"], value)
+            if match:
+                new = match.expand(rule["replacement"].replace("$1", r"\g<1>"))
+                if new:
+                    labels[rule["target_label"]] = new
+                else:
+                    labels.pop(rule["target_label"], None)
+        return labels
+
+    ray_labels = {"WorkerId": "abc", "SessionName": "session_2026", "replica": "OCRIngress#x1", "Component": "core"}
+    assert relabel({"__name__": "ray_ocr_requests_total", **ray_labels}) == {
+        "__name__": "ocr_requests_total", "replica": "OCRIngress#x1", "Component": "core"}
+    assert "WorkerId" not in relabel({"__name__": "ray_vllm_num_requests_running", **ray_labels})
+    assert relabel({"__name__": "ray_component_cpu_percentage", **ray_labels})["WorkerId"] == "abc"
 
 
 def test_relabel_rules_map_ray_names_to_product_names():
@@ -180,6 +247,9 @@ class Recorder:
         class Instrument:
             def inc(self, value=1.0, tags=None):
                 recorder.calls.append((spec.name, "inc", value, tags or {}))
+
+            def zero(self, tags=None):
+                recorder.calls.append((spec.name, "zero", 0, tags or {}))
 
             def set(self, value, tags=None):
                 recorder.calls.append((spec.name, "set", value, tags or {}))
@@ -229,11 +299,13 @@ async def test_ingress_records_requests_pages_and_errors():
         assert limited.status_code == 429
         assert (await client.get("/healthz")).status_code == 200  # not an API request: not counted
 
-    requests = [(c[3]["task"], c[3]["status"], c[3]["code"], c[3]["tenant"]) for c in recorder.of("ocr_requests")]
+    requests = [(c[3]["task"], c[3]["status"], c[3]["code"]) for c in recorder.of("ocr_requests")]
     # an unreadable body has no task yet: `unknown`
-    assert requests == [("spotting", "200", "ok", "anonymous"), ("spotting", "400", "invalid_base64", "anonymous"),
-                        ("unknown", "413", "payload_too_large", "unknown"), ("text", "200", "ok", "anonymous"),
-                        ("text", "429", "rate_limited", "anonymous")]
+    assert requests == [("spotting", "200", "ok"), ("spotting", "400", "invalid_base64"),
+                        ("unknown", "413", "payload_too_large"), ("text", "200", "ok"), ("text", "429", "rate_limited")]
+    tenants = [(c[3]["tenant"], c[3]["status"]) for c in recorder.of("ocr_tenant_requests")]
+    assert tenants == [("anonymous", "200"), ("anonymous", "400"), ("unknown", "413"), ("anonymous", "200"),
+                       ("anonymous", "429")]
     assert [c[3] for c in recorder.of("ocr_rate_limited")] == [{"tenant": "anonymous"}]
     outcomes = [c[3]["outcome"] for c in recorder.of("ocr_request_duration_seconds")]
     assert outcomes == ["ok", "client_error", "client_error", "ok", "client_error"]
@@ -291,6 +363,125 @@ def test_engine_adapter_use_counts_hits_loads_and_refused_adapters():
     assert recorder.of("ocr_engine_ongoing_requests")[-1][2] == 0
 
 
+# --- label sets at 0 (a first increment must be an increase) --------------------------------------------------------
+
+
+def zeroed(recorder: Recorder, name: str) -> list[dict]:
+    return [c[3] for c in recorder.of(name) if c[1] == "zero"]
+
+
+def test_ingress_starts_every_known_label_set_at_zero(tmp_path):
+    from service.admission.auth import make_authenticator
+    from service.cli.keys import add_key
+    from service.config import Settings
+    from service.errors import ERROR_CODES
+    from service.tasks import TASKS
+
+    keys_file = tmp_path / "keys.yaml"
+    add_key(keys_file, tenant="acme")
+    settings = Settings(engine="mock", api_keys_file=str(keys_file), redis_url="redis://127.0.0.1:1/0")
+    recorder = Recorder()
+    metrics = IngressMetrics(recorder)
+    metrics.start_at_zero(settings)
+    authenticator = make_authenticator(settings, on_tenants=metrics.tenants_known)
+    requests = zeroed(recorder, "ocr_requests")
+    # every endpoint x task x every (status, code) of the error table, the successes and 499
+    for endpoint in ("ocr", "jobs"):
+        for task in (*TASKS, "unknown"):
+            for code, (status, _) in ERROR_CODES.items():
+                assert {"endpoint": endpoint, "task": task, "status": str(status), "code": code} in requests
+            assert {"endpoint": endpoint, "task": task, "status": "200", "code": "ok"} in requests
+            assert {"endpoint": endpoint, "task": task, "status": "499", "code": "client_disconnected"} in requests
+    assert {"endpoint": "jobs", "task": "text", "status": "202", "code": "ok"} in requests
+    assert len(requests) == len({tuple(sorted(t.items())) for t in requests})  # each once
+    tenants = zeroed(recorder, "ocr_tenant_requests")
+    assert {"tenant": "acme", "status": "429", "code": "rate_limited"} in tenants
+    assert {"tenant": "unknown", "status": "401", "code": "unauthorized"} in tenants
+    assert not any(t["tenant"] == "anonymous" for t in tenants)  # a key file: no anonymous requests
+    assert zeroed(recorder, "ocr_rate_limited") == [{"tenant": "acme"}]
+    assert {"task": "spotting"} in zeroed(recorder, "ocr_image_tokens")
+    assert {"task": "spotting"} in zeroed(recorder, "ocr_repetition_cutoffs")
+    assert {"outcome": "timeout"} in zeroed(recorder, "ocr_webhook_deliveries")
+    assert {"status": "failed"} in zeroed(recorder, "ocr_jobs_finished")
+    assert {"data": "lost"} in zeroed(recorder, "ocr_redis_resets") and zeroed(recorder, "ocr_jobs_lost") == [{}]
+    assert {"reason": "unauthorized"} in zeroed(recorder, "ocr_auth_failures")
+
+    # a tenant added to the key file gets its label sets at the reload; the known ones are not exported again
+    before = len(recorder.calls)
+    add_key(keys_file, tenant="globex")
+    authenticator._next_check = 0
+    authenticator._maybe_reload()
+    added = recorder.calls[before:]
+    assert {c[3]["tenant"] for c in added if c[0] == "ocr_tenant_requests"} == {"globex"}
+    assert metrics.zero_series_count == len({(c[0], tuple(sorted(c[3].items()))) for c in recorder.calls
+                                             if c[1] == "zero"})
+    # bounded: requests' label sets do not grow with tenants
+    assert metrics.zero_series_count < 2 * len(requests) + 4 * len(tenants)
+
+
+def test_open_mode_starts_anonymous_and_no_redis_series_without_redis():
+    from service.config import Settings
+
+    recorder = Recorder()
+    metrics = IngressMetrics(recorder)
+    metrics.start_at_zero(Settings(engine="mock"))
+    assert {"tenant": "anonymous", "status": "200", "code": "ok"} in zeroed(recorder, "ocr_tenant_requests")
+    assert zeroed(recorder, "ocr_rate_limited") == [{"tenant": "anonymous"}]
+    assert not zeroed(recorder, "ocr_redis_resets") and not zeroed(recorder, "ocr_ratelimit_backend_errors")
+
+
+def test_zero_is_exported_without_incrementing_a_ray_counter():
+    """Ray's Counter.inc refuses 0; RayCounter.zero records 0 through the record call underneath it."""
+    from service.observability.metrics import RayCounter
+
+    class FakeRayCounter:
+        def __init__(self):
+            self.records = []
+
+        def inc(self, value=1.0, tags=None):
+            if value <= 0:
+                raise ValueError("value must be >0")
+            self._record(value, tags=tags)
+
+        def _record(self, value, tags=None):
+            self.records.append((value, tags))
+
+    fake = FakeRayCounter()
+    counter = RayCounter(fake)
+    counter.zero(tags={"code": "rate_limited"})
+    counter.inc(2.0, tags={"code": "rate_limited"})
+    assert fake.records == [(0, {"code": "rate_limited"}), (2.0, {"code": "rate_limited"})]
+
+
+def test_limiter_fallback_gauge_follows_the_limiter():
+    import asyncio
+
+    from service.admission.ratelimit import FailoverLimiter
+
+    class Broken:
+        async def acquire(self, *args):
+            raise ConnectionError("redis down")
+
+        async def close(self):
+            pass
+
+    recorder = Recorder()
+    metrics = IngressMetrics(recorder)
+    limiter = FailoverLimiter(Broken(), fail_mode="open", on_backend_error=metrics.limiter_backend_error,
+                              on_fallback=metrics.limiter_fallback)
+    assert recorder.of("ocr_ratelimit_fallback")[-1][2:] == (0.0, {"fail_mode": "open"})
+    asyncio.run(limiter.acquire("acme", 1, 1.0, 5.0))
+    assert recorder.of("ocr_ratelimit_fallback")[-1][2:] == (1.0, {"fail_mode": "open"})
+
+
+def test_job_and_webhook_outcomes_match_the_job_module():
+    from service.jobs import model, webhook
+    from service.observability.metrics import JOB_END_STATES, WEBHOOK_OUTCOMES
+
+    assert set(WEBHOOK_OUTCOMES) == set(webhook.OUTCOMES)
+    assert set(JOB_END_STATES) == set(model.TERMINAL)
+
+
 # --- `ocr-serve metrics prometheus-config` and `ocr-serve serve` agree on the metrics port ---------------------------
 
 
@@ -303,13 +494,15 @@ def test_prometheus_config_scrapes_the_port_serve_exports_on(monkeypatch, capsys
     assert Settings().observability.metrics_export_port == 8080  # serve's default (KubeRay's port too)
     assert main(["metrics", "prometheus-config"]) == 0
     job = yaml.safe_load(capsys.readouterr().out)["scrape_configs"][0]
-    assert job["static_configs"] == [{"targets": ["127.0.0.1:8080"]}]
+    assert job["static_configs"] == [{"targets": ["127.0.0.1:8080"],
+                                      "labels": {"namespace": "local", "ocr_release": "ocr"}}]
     assert job["metric_relabel_configs"] == METRIC_RELABEL_CONFIGS
 
     monkeypatch.setenv("OCR_METRICS_EXPORT_PORT", "9464")
-    assert main(["metrics", "prometheus-config"]) == 0
+    assert main(["metrics", "prometheus-config", "--release", "canary"]) == 0
     job = yaml.safe_load(capsys.readouterr().out)["scrape_configs"][0]
-    assert job["static_configs"] == [{"targets": ["127.0.0.1:9464"]}]
+    assert job["static_configs"] == [{"targets": ["127.0.0.1:9464"],
+                                      "labels": {"namespace": "local", "ocr_release": "canary"}}]
 
     # a free port each start: the command cannot know it and says what to pass
     monkeypatch.setenv("OCR_METRICS_EXPORT_PORT", "")

@@ -67,6 +67,7 @@ async def load_adapter(name: str, request: Request, ctx: AppContext = Depends(ap
         except ValidationError as exc:
             raise OCRError("validation_error", exc.errors()[0].get("msg", "invalid body")) from None
     await ctx.engine.load_adapter(name, body.path)
+    ctx.metrics.adapters_known([name])
     return AdapterList(data=[AdapterInfo(**item) for item in await adapter_status(ctx)])
 
 

@@ -224,4 +224,22 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   replacement: vllm:$1
 - action: labeldrop
   regex: otel_scope_.+
+- sourceLabels: [__name__]
+  regex: (ocr_|vllm:).+
+  targetLabel: WorkerId
+  replacement: ""
+- sourceLabels: [__name__]
+  regex: (ocr_|vllm:).+
+  targetLabel: SessionName
+  replacement: ""
+{{- end -}}
+
+{{/*
+Target relabelings of the PodMonitor/ServiceMonitor: `ocr_release` = the Helm release (the operator adds `namespace`);
+the alerts and dashboards group and filter by both (docs/METRICS.md, Scoping).
+*/}}
+{{- define "ocr.scopeRelabelings" -}}
+- action: replace
+  targetLabel: ocr_release
+  replacement: {{ .Release.Name | quote }}
 {{- end -}}
