@@ -195,7 +195,7 @@ def test_every_dashboard_query_returns_data(stack: Stack):
     print(f"\n{checked} dashboard queries returned data; VLM-only panels not checked here: {sorted(set(skipped))}")
 
     for uid, name, query in variable_queries():
-        selector, label = re.fullmatch(r"label_values\(([^,]+),\s*(\w+)\)", query).groups()
+        selector, label = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query).groups()
         values = prom.api(f"label/{label}/values", **{"match[]": substitute(selector)})
         assert values, (uid, name, query)
         if name == "tenant":
