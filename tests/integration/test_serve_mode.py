@@ -100,7 +100,7 @@ def test_start_ray_warns_when_this_process_read_another_serve_mode(monkeypatch, 
 def test_replicas_run_at_the_priority_of_the_process_that_started_ray(embedded_url):
     """Ray starts its worker processes at nice 15; start_ray() has them run at the priority of the process that
     started Ray (WORKER_PRIORITY_ENV). Beside busy processes of its own session, an embedded replica at 15 took
-    70x its quiet time for an ID card, at 0 3.8x (docs/design/worker-priority.md). This session's Ray and its replicas
+    70x its quiet time for an ID card, at 0 3.8x (docs/design/worker-priority.md). The tests' Ray cluster and its replicas
     are this process's descendants."""
     import os
 
