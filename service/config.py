@@ -29,6 +29,13 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 ENV_PREFIX = "OCR_"
 NESTED_DELIMITER = "__"
+# What the client commands (`ocr-serve ocr`, `ocr-serve ui`, `ocr-serve eval`) read: not settings of the service, so
+# `ocr-serve config` does not report them as unknown. The key stays out of shell history and `ps`.
+CLIENT_VARIABLES = {
+    "OCR_URL": "Base URL of the service the client commands call (default http://127.0.0.1:8000).",
+    "OCR_API_KEY": "API key the client commands send (`Authorization: Bearer`) unless `--api-key` is given.",
+}
+DEFAULT_SERVICE_URL = "http://127.0.0.1:8000"
 EngineKind = Literal["embedded", "vllm", "mock"]
 
 
@@ -822,7 +829,7 @@ def read_env(environ: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
     unknown: list[str] = []
     # flat names first, nested paths after: the more specific name wins
     for var, raw in sorted(environ.items(), key=lambda item: NESTED_DELIMITER in item[0]):
-        if not var.startswith(ENV_PREFIX):
+        if not var.startswith(ENV_PREFIX) or var in CLIENT_VARIABLES:
             continue
         key = var[len(ENV_PREFIX):].lower()
         if NESTED_DELIMITER in key:
@@ -879,7 +886,7 @@ def env_problems(environ: dict[str, str] | None = None) -> list[str]:
     """One line per `OCR_*` variable that names no setting (a typo is otherwise ignored) or uses an older name."""
     environ = dict(os.environ if environ is None else environ)
     _, unknown = read_env(environ)
-    names = set(flat_names())
+    names = set(flat_names()) | {var[len(ENV_PREFIX):].lower() for var in CLIENT_VARIABLES}
     problems = []
     for var in unknown:
         near = _closest(var[len(ENV_PREFIX):].lower(), names)

@@ -50,7 +50,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def reference_markdown() -> str:
     """docs/CONFIG.md: every section and setting from service/config.py (a test keeps the file in sync)."""
-    from service.config import LEGACY_MERGED, LEGACY_NAMES, Settings, flat_names
+    from service.config import CLIENT_VARIABLES, LEGACY_MERGED, LEGACY_NAMES, Settings, flat_names
 
     import service.config as config
 
@@ -64,6 +64,10 @@ def reference_markdown() -> str:
               "| variable | sets |", "|---|---|"]
     lines += [f"| `OCR_{name.upper()}` | `{'.'.join(path)}` |" for name, (path, _, _) in LEGACY_NAMES.items()]
     lines += [f"| `OCR_{name.upper()}` | merged into `{'.'.join(path)}` |" for name, path in LEGACY_MERGED.items()]
+    lines += ["", "## Client variables", "",
+              "Read by the client commands (`ocr-serve ocr`, `ocr-serve ui`, `ocr-serve eval`), not by the service:",
+              "", "| variable | what it does |", "|---|---|"]
+    lines += [f"| `{name}` | {text} |" for name, text in CLIENT_VARIABLES.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -57,6 +57,7 @@ def _is_manifest_error(exc: EvalError) -> bool:
 # --- run ----------------------------------------------------------------------------------------------------------
 
 def _run_parser() -> argparse.ArgumentParser:
+    from service.config import DEFAULT_SERVICE_URL
     from service.eval import metrics
     from service.tasks import TASKS
 
@@ -65,7 +66,8 @@ def _run_parser() -> argparse.ArgumentParser:
                                 "measure OCR quality and speed;\nwrites summary.json, documents.csv, report.md and "
                                 "plots to --out.")
     p.add_argument("manifest", type=Path, help="JSON Lines manifest (docs/EVAL.md)")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the service (default %(default)s)")
+    p.add_argument("--url", default=os.environ.get("OCR_URL", DEFAULT_SERVICE_URL),
+                   help=f"the service (default: $OCR_URL, else {DEFAULT_SERVICE_URL})")
     p.add_argument("--api-key", default=os.environ.get("OCR_API_KEY"), help="API key (default: $OCR_API_KEY)")
     p.add_argument("--task", default="spotting", choices=sorted(TASKS), help="task of every request (default "
                    "%(default)s)")
