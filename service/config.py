@@ -218,6 +218,9 @@ VLLM_DEFAULT_KWARGS: dict[str, Any] = {
     "disable_log_stats": True,  # stats go to the Ray stat logger only (docs/METRICS.md), no periodic log lines
     "seed": 0,
 }
+# vLLM's CPU build (no GPU): in place of gpu_memory_utilization, a KV cache sized in bytes (room for a few full
+# contexts of HunyuanOCR-1B at the default max_model_len), and fewer sequences at once than a GPU takes
+VLLM_CPU_DEFAULT_KWARGS: dict[str, Any] = {"kv_cache_memory_bytes": 2 * 2**30, "max_num_seqs": 8}
 # set by the engine from other settings; engine_kwargs may not name them
 VLLM_MANAGED_KWARGS = frozenset({"model", "tokenizer", "served_model_name", "max_model_len", "enable_lora",
                                  "max_loras", "max_lora_rank", "max_cpu_loras", "limit_mm_per_prompt",
@@ -230,7 +233,9 @@ class VLLMConfig(Section):
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="vLLM engine arguments (AsyncEngineArgs names) on top of the product's defaults "
-        f"({', '.join(f'{k}={v}' for k, v in VLLM_DEFAULT_KWARGS.items())}), e.g. `{{\"dtype\": \"bfloat16\", "
+        f"({', '.join(f'{k}={v}' for k, v in VLLM_DEFAULT_KWARGS.items())}; on vLLM's CPU build "
+        f"{', '.join(f'{k}={v}' for k, v in VLLM_CPU_DEFAULT_KWARGS.items())} instead of gpu_memory_utilization), "
+        "e.g. `{\"dtype\": \"bfloat16\", "
         "\"max_num_seqs\": 128, \"kv_cache_memory_bytes\": 25769803776}`. Checked against vLLM's own arguments "
         "where vLLM is importable.")
     image_processor_backend: Literal["pil", "torchvision"] = Field(
@@ -264,6 +269,7 @@ class VLLMConfig(Section):
         defaults = dict(VLLM_DEFAULT_KWARGS)
         if on_cpu:
             defaults.pop("gpu_memory_utilization")
+            defaults.update(VLLM_CPU_DEFAULT_KWARGS)
         return {**defaults, **self.engine_kwargs}
 
 

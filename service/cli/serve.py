@@ -20,8 +20,10 @@ READY_MARKER = "engine ready at"
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from service.serve import local
+    from service.serve.resources import missing_resources
 
-    settings = settings_or_exit(engine=args.engine, port=args.port, host=args.host, model=args.model)
+    overrides = dict(engine=args.engine, port=args.port, host=args.host, model=args.model)
+    settings = settings_or_exit(**overrides)
     logging.basicConfig(level=settings.server.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
     # HAProxy in front with the vLLM engine: a GPU engine's latency shows the proxy actor's milliseconds
@@ -31,6 +33,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         haproxy=settings.engine.kind == "vllm")
     except local.PortInUse as exc:
         print(f"ocr-serve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    nodes = local.node_resources()
+    if engine_on_cpu(settings, nodes, local.vllm_cpu_build()):
+        asked = settings.serve.engine_deployment
+        settings = settings_or_exit(**overrides, engine_deployment={
+            **asked, "ray_actor_options": {**(asked.get("ray_actor_options") or {}), "num_gpus": 0}})
+        print("ocr-serve: no GPU in this Ray cluster and vLLM's CPU build installed: the vLLM engine runs on CPU "
+              "(num_gpus 0; vLLM's CPU defaults in docs/CONFIG.md, engine_kwargs)", flush=True)
+    problem = missing_resources(settings, nodes)
+    if problem is not None:
+        print(f"ocr-serve: cannot start: {problem}", file=sys.stderr, flush=True)
+        local.shutdown_ray()
         return 1
     stop = threading.Event()
     hurry = threading.Event()  # a second signal: stop waiting for in-flight requests (they still get their 503)
@@ -74,6 +88,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print("ocr-serve: shutting down", flush=True)
     local.shutdown(loop)
     return 0
+
+
+def engine_on_cpu(settings, nodes: list[dict[str, float]], cpu_build: bool) -> bool:
+    """The vLLM engine goes on CPU when the cluster has no GPU, vLLM's CPU build is installed and no setting asked
+    for GPUs (OCR_ENGINE_NUM_GPUS or engine_deployment's ray_actor_options.num_gpus)."""
+    asked = "num_gpus" in (settings.serve.engine_deployment.get("ray_actor_options") or {})
+    has_gpu = any(node.get("GPU", 0) > 0 for node in nodes)
+    return settings.engine.kind == "vllm" and cpu_build and not has_gpu and not asked
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

@@ -145,6 +145,29 @@ def connect_ray(address: str) -> None:
     ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False, **node_ip)
 
 
+def node_resources() -> list[dict[str, float]]:
+    """Each live node's Ray resources (`CPU`, `GPU`, `memory`, custom ones)."""
+    import ray
+
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
+
+def vllm_cpu_build() -> bool:
+    """vLLM's CPU build is what is installed: how vLLM itself tells (its platform plugin), without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    try:
+        return "cpu" in version("vllm")
+    except PackageNotFoundError:
+        try:
+            version("vllm-cpu")
+            return True
+        except PackageNotFoundError:
+            return False
+
+
 def metrics_port() -> int | None:
     """The port of this node's Ray metrics agent (the service's `ocr_*` metrics; docs/METRICS.md)."""
     import ray
@@ -277,6 +300,13 @@ async def _drain(timeout_s: float, hurry: threading.Event) -> DrainOutcome:
                             left=sum(state["open"] for state in after_cut.values()))
     finally:
         await handle.shutdown_async()
+
+
+def shutdown_ray() -> None:
+    """Stop Ray before anything was deployed."""
+    import ray
+
+    ray.shutdown()
 
 
 def shutdown(loop: asyncio.AbstractEventLoop | None = None) -> None:
