@@ -87,7 +87,8 @@ class MockEngine:
     async def info(self) -> EngineInfo:
         # both forms, like the vLLM engine, so tests of the layers above can use either transport
         return EngineInfo(name=self.name, model=self.model_name, supported_tasks=sorted(TASKS),
-                          adapters=sorted(self.adapters), image_transports=["pixels", "png"])
+                          adapters=sorted(self.adapters), adapters_supported=True,
+                          image_transports=["pixels", "png"])
 
     async def list_adapters(self) -> list[str]:
         return sorted(self.adapters)

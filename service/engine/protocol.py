@@ -125,6 +125,9 @@ class EngineInfo(BaseModel):
     supported_tasks: list[str]
     max_model_len: int | None = None
     adapters: list[str] = Field(default_factory=list)
+    adapters_supported: bool = Field(
+        False, description="The engine serves LoRA adapters (vLLM with enable_lora; the web UI hides its adapter "
+        "field otherwise).")
     image_transports: list[ImageTransport] = Field(
         default_factory=lambda: ["png"], description="Forms of `EngineRequest` image the engine takes.")
     image_processor: ImageProcessorInfo | None = Field(

@@ -1,10 +1,15 @@
 """The web UI at /ui in headless Chromium against the deployed app with the embedded engine: upload a generated
-image, run spotting, see the recognised text and the boxes drawn on the canvas; upload a PDF and see its pages
-arrive one by one. Screenshots: tests/artifacts/ui_spotting.png, tests/artifacts/ui_pdf_job.png."""
+image, run spotting, see the recognised text and the boxes drawn on the canvas; drop a file on the page, hover a box
+for its confidence (nothing drawn over the text), copy the text and download the JSON; upload a PDF and see its pages
+arrive one by one; the API key field follows the service's mode and lasts as long as the tab; controls the engine
+does not support are hidden. Screenshots: tests/artifacts/ui_*.png."""
 
 from __future__ import annotations
 
+import base64
+import json
 import re
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -41,6 +46,38 @@ EDGE_PIXEL = """(canvas, [box, pageWidth]) => {
 }"""
 
 
+# Coloured pixels that are not on a line's outline (farther than `tolerance` canvas pixels from its bounding box's
+# edges): a label, a fill or a badge drawn over the page. 0 means only outlines are drawn.
+COLOURED_OFF_OUTLINES = """(canvas, [lines, pageWidth, tolerance]) => {
+  const s = canvas.width / pageWidth;
+  const boxes = lines.map((l) => {
+    const pts = l.polygon && l.polygon.length ? l.polygon : [[l.box[0], l.box[1]], [l.box[2], l.box[3]]];
+    const xs = pts.map((p) => p[0] * s), ys = pts.map((p) => p[1] * s);
+    return [Math.min(...xs), Math.min(...ys), Math.max(...xs), Math.max(...ys)];
+  });
+  const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+  let off = 0;
+  for (let i = 0; i < data.length; i += 4) {
+    const r = data[i], g = data[i + 1], b = data[i + 2];
+    if (Math.max(r, g, b) - Math.min(r, g, b) <= 80) continue;
+    const x = (i / 4) % canvas.width, y = Math.floor(i / 4 / canvas.width);
+    const onOutline = boxes.some(([x0, y0, x1, y1]) =>
+      x >= x0 - tolerance && x <= x1 + tolerance && y >= y0 - tolerance && y <= y1 + tolerance &&
+      !(x > x0 + tolerance && x < x1 - tolerance && y > y0 + tolerance && y < y1 - tolerance));
+    if (!onOutline) off++;
+  }
+  return off;
+}"""
+
+# A DataTransfer holding one file, as a drop from the desktop carries it.
+DATA_TRANSFER = """([b64, name, type]) => {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const transfer = new DataTransfer();
+  transfer.items.add(new File([bytes], name, { type }));
+  return transfer;
+}"""
+
+
 def same_origin(urls: list[str], base: str) -> list[str]:
     origin = urlsplit(base).netloc
     return [u for u in urls if not u.startswith(("blob:", "data:")) and urlsplit(u).netloc != origin]
@@ -59,6 +96,7 @@ def test_ui_assets_are_local_with_a_strict_csp(embedded_url):
         config = client.get("/ui/config.json").json()
         assert config["engine"] == "embedded"
         assert {t["name"] for t in config["tasks"] if t["supported"]} == {"spotting", "text"}
+        assert config["features"] == {"adapters": False}
     assert "http" not in page.text.replace('href="/ui/', "").replace('src="/ui/', "")  # no CDN
 
 
@@ -89,6 +127,8 @@ def test_ui_spotting_draws_boxes_over_the_image(embedded_url, browser_page, tmp_
     assert g > r + 60 and g > b + 40, (r, g, b)
     assert "Done in" in page.inner_text("#status")
     assert page.locator(".timings th", has_text="engine").count() == 1
+    # confidences never cover the text: the canvas holds the page and the outlines only
+    assert canvas.evaluate(COLOURED_OFF_OUTLINES, [result["lines"], result["image"]["width"], 4]) == 0
     browser_page.screenshot("ui_spotting.png")
     assert same_origin(browser_page.requests, embedded_url) == []
     assert browser_page.console_errors == []
@@ -128,3 +168,105 @@ def test_ocr_serve_ui_prints_the_url(capsys):
 
     assert main(["ui", "--url", "http://127.0.0.1:9999/"]) == 0
     assert "http://127.0.0.1:9999/ui" in capsys.readouterr().out
+
+
+def open_ui(page, url: str) -> None:
+    page.goto(url + "/ui")
+    page.wait_for_selector("#task option", state="attached")  # config loaded (the CSP forbids wait_for_function)
+
+
+def test_ui_drop_hover_copy_and_download(embedded_url, browser_page, browser_context, tmp_path):
+    document = render_document(["Invoice number 20261130", "Total amount due: 1,234.56 EUR"], size=(900, 420),
+                               top=70, gap=150)
+    page = browser_page.page
+    browser_context.grant_permissions(["clipboard-read", "clipboard-write"], origin=embedded_url)
+    open_ui(page, embedded_url)
+    # drag and drop: a file dropped on the page becomes the upload
+    transfer = page.evaluate_handle(DATA_TRANSFER, [base64.b64encode(document.png()).decode(), "dropped.png",
+                                                    "image/png"])
+    page.dispatch_event("#drop", "dragover", {"dataTransfer": transfer})
+    assert "dragging" in page.get_attribute("#drop", "class")
+    page.dispatch_event("#drop", "drop", {"dataTransfer": transfer})
+    assert page.evaluate("document.getElementById('file').files[0].name") == "dropped.png"
+    assert "dropped.png" in page.inner_text("#drop-hint")
+    assert page.locator("#result-actions").is_hidden()
+    page.click("#run")
+    page.wait_for_selector(".page canvas[data-boxes]", timeout=RESULT_TIMEOUT_MS)
+    result = page.evaluate("JSON.parse(document.querySelector('.page-json').textContent)")
+    assert result["text"] and len(result["lines"]) >= 2
+
+    # the side list links each line's confidence to its box; hovering a box shows its confidence below it
+    items = page.locator(".line-list li")
+    assert items.count() == len(result["lines"])
+    index, line = next((i, l) for i, l in enumerate(result["lines"]) if "Invoice" in l["text"])
+    assert items.nth(index).locator(".conf").inner_text() == f"{line['confidence']:.2f}"
+    canvas = page.locator(".page canvas")
+    box = canvas.bounding_box()
+    factor = box["width"] / result["image"]["width"]  # page pixels → screen pixels
+    x0, y0, x1, y1 = line["box"]
+    page.mouse.move(box["x"] + (x0 + x1) / 2 * factor, box["y"] + (y0 + y1) / 2 * factor)
+    tip = page.locator(".box-tip")
+    assert tip.is_visible()
+    assert f"confidence {line['confidence']:.3f}" in tip.inner_text() and line["text"] in tip.inner_text()
+    assert tip.bounding_box()["y"] >= box["y"] + y1 * factor  # below the line, not over it
+    assert canvas.get_attribute("data-highlight") == str(index)
+    assert "active" in items.nth(index).get_attribute("class")
+    browser_page.screenshot("ui_hover.png")
+    other = 1 - index if index < 2 else 0
+    items.nth(other).hover()  # and the list highlights the box
+    assert canvas.get_attribute("data-highlight") == str(other)
+    assert canvas.evaluate(COLOURED_OFF_OUTLINES, [result["lines"], result["image"]["width"], 6]) == 0
+
+    page.click("#copy-text")
+    expect(page.locator("#status")).to_have_text(re.compile(r"^Copied \d+ characters"))
+    assert page.evaluate("navigator.clipboard.readText()") == result["text"]
+    with page.expect_download() as download:
+        page.click("#download-json")
+    assert download.value.suggested_filename == f"{result['id']}.json"
+    assert json.loads(Path(download.value.path()).read_text()) == result
+    assert same_origin(browser_page.requests, embedded_url) == []
+    assert browser_page.console_errors == []
+
+
+def test_ui_controls_follow_the_engine_and_the_key_mode(embedded_url, browser_page, browser_context):
+    page = browser_page.page
+    open_ui(page, embedded_url)
+    # open mode (no key file): no key field to fill; the embedded engine: its two tasks, no adapter field
+    assert page.locator("#api-key-control").is_hidden() and page.locator("#api-key").is_disabled()
+    assert page.locator("#open-mode").is_visible()
+    assert page.locator("#task option").all_inner_texts() == ["spotting", "text"]
+    assert "Not on the embedded engine: document" in page.inner_text("#unsupported-tasks")
+    assert page.locator("#adapter-control").is_hidden()
+    browser_page.screenshot("ui_open_mode.png")
+
+    # a service that asks for keys and serves adapters (its config answer, as such a service gives it)
+    config = httpx.get(embedded_url + "/ui/config.json", timeout=30).json()
+    keyed = {**config, "auth_required": True, "authenticated": False, "features": {"adapters": True}}
+    sent_keys: list[str | None] = []
+
+    def answer(route):
+        sent_keys.append(route.request.headers.get("authorization"))
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(keyed))
+
+    browser_context.route("**/ui/config.json", answer)
+    try:
+        open_ui(page, embedded_url)
+        assert page.locator("#api-key-control").is_visible() and page.locator("#api-key").is_enabled()
+        assert page.locator("#open-mode").is_hidden() and page.locator("#adapter-control").is_visible()
+        page.fill("#api-key", "tab-key-123")
+        page.dispatch_event("#api-key", "change")
+        expect(page.locator("#api-key")).to_have_value("tab-key-123")
+        page.reload()  # the same tab keeps the key, and sends it
+        page.wait_for_selector("#task option", state="attached")
+        expect(page.locator("#api-key")).to_have_value("tab-key-123")
+        assert sent_keys[-1] == "Bearer tab-key-123"
+        browser_page.screenshot("ui_key_mode.png")
+        other_tab = browser_context.new_page()  # a new tab starts without it
+        try:
+            open_ui(other_tab, embedded_url)
+            expect(other_tab.locator("#api-key")).to_have_value("")
+        finally:
+            other_tab.close()
+    finally:
+        browser_context.unroute("**/ui/config.json", answer)
+    assert browser_page.console_errors == []

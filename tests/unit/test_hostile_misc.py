@@ -145,6 +145,7 @@ async def test_adapter_names_need_a_key(key_file):
         assert public.status_code == 200 and SECRET_ADAPTER not in public.text
         assert public.json()["adapters"] == [] and public.json()["auth_required"] is True
         assert public.json()["authenticated"] is False and public.json()["tasks"]
+        assert public.json()["features"] == {"adapters": True}  # the mock engine serves adapters: the field shows
         keyed = (await client.get("/ui/config.json", headers=bearer(keys["acme"]))).json()
         assert keyed["adapters"] == [SECRET_ADAPTER] and keyed["authenticated"] is True
         assert (await client.get("/ui/config.json", headers=bearer("not-a-key"))).status_code == 401

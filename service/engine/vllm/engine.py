@@ -341,6 +341,7 @@ class VLLMEngine:
     async def info(self) -> EngineInfo:
         return EngineInfo(name=self.name, model=self.settings.engine.served_model_name, supported_tasks=sorted(TASKS),
                           max_model_len=self.settings.engine.max_model_len, adapters=await self.list_adapters(),
+                          adapters_supported=self.settings.engine.lora.enabled,
                           image_transports=["pixels", "png"], image_processor=self._image_processor,
                           prompt_template_tokens=self._template_tokens)
 

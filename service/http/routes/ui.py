@@ -66,7 +66,10 @@ async def config(request: Request, ctx: AppContext = Depends(app_context)):
             adapters = []
     tasks = [{"name": t.name, "description": t.description, "output": t.output,
               "supported": t.name in info.supported_tasks} for t in TASKS.values()]
-    return JSONResponse({"engine": info.name, "model": info.model, "tasks": tasks, "adapters": adapters,
+    # the controls the page shows: only what this engine can do
+    features = {"adapters": info.adapters_supported}
+    return JSONResponse({"engine": info.name, "model": info.model, "tasks": tasks, "features": features,
+                         "adapters": adapters,
                          "max_pdf_pages": ctx.settings.jobs.max_pages, "auth_required": auth_required,
                          "authenticated": principal is not None},
                         headers={"Cache-Control": "no-cache"})
