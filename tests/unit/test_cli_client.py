@@ -21,6 +21,7 @@ from service.http.app import create_app
 from service.pipeline.context import AppContext
 from tests.fixtures.api_inprocess import BearerTenants
 from tests.fixtures.documents import normalise_text, render_document
+from tests.fixtures.pdfs import page_texts, text_pdf
 from tests.fixtures.reliability import wait_for
 
 CLIENT_ENV = ("OCR_URL", "OCR_API_KEY")
@@ -159,6 +160,18 @@ def test_against_a_real_service(image_file, live_service):
     one_line_failure(run, 1, f"{live_service} answered 401 unauthorized", "OCR_API_KEY")
     run = ocr_serve("ocr", str(path), "--task", "table", "--compact", env=env)
     assert run.returncode == 1 and json.loads(run.stdout)["error"]["code"] == "unsupported_task"
+
+
+def test_a_pdf_runs_as_a_job_and_text_gives_each_page(tmp_path, live_service):
+    pdf = tmp_path / "two.pdf"
+    pdf.write_bytes(text_pdf(2))
+    run = ocr_serve("ocr", str(pdf), "--text", "--task", "text", env={"OCR_URL": live_service, "OCR_API_KEY": "acme"})
+    assert run.returncode == 0, run.stderr
+    pages = run.stdout.rstrip("\n").split("\f")  # pages split by form feeds, as pdftotext does
+    assert len(pages) == 2
+    for text, lines in zip(pages, page_texts(2)):
+        assert all(normalise_text(line) in normalise_text(text) for line in lines)
+    assert "2/2 pages" in run.stderr  # the progress bar
 
 
 def test_config_warns_about_unknown_variables_but_not_the_clients(monkeypatch, capsys):
