@@ -19,6 +19,7 @@ READY_MARKER = "engine ready at"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from service.config import load_settings
     from service.serve import local
     from service.serve.resources import missing_resources
 
@@ -37,7 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     nodes = local.node_resources()
     if engine_on_cpu(settings, nodes, local.vllm_cpu_build()):
         asked = settings.serve.engine_deployment
-        settings = settings_or_exit(**overrides, engine_deployment={
+        settings = load_settings(**overrides, engine_deployment={  # valid: the same settings, no GPU asked
             **asked, "ray_actor_options": {**(asked.get("ray_actor_options") or {}), "num_gpus": 0}})
         print("ocr-serve: no GPU in this Ray cluster and vLLM's CPU build installed: the vLLM engine runs on CPU "
               "(num_gpus 0; vLLM's CPU defaults in docs/CONFIG.md, engine_kwargs)", flush=True)
