@@ -46,25 +46,28 @@ EDGE_PIXEL = """(canvas, [box, pageWidth]) => {
 }"""
 
 
-# Coloured pixels that are not on a line's outline (farther than `tolerance` canvas pixels from its bounding box's
-# edges): a label, a fill or a badge drawn over the page. 0 means only outlines are drawn.
+# Coloured pixels farther than `tolerance` canvas pixels from every line's outline (its polygon's edges): a label,
+# a fill or a badge drawn over the page. 0 means only outlines are drawn.
 COLOURED_OFF_OUTLINES = """(canvas, [lines, pageWidth, tolerance]) => {
   const s = canvas.width / pageWidth;
-  const boxes = lines.map((l) => {
-    const pts = l.polygon && l.polygon.length ? l.polygon : [[l.box[0], l.box[1]], [l.box[2], l.box[3]]];
-    const xs = pts.map((p) => p[0] * s), ys = pts.map((p) => p[1] * s);
-    return [Math.min(...xs), Math.min(...ys), Math.max(...xs), Math.max(...ys)];
+  const segments = [];
+  for (const l of lines) {
+    const pts = (l.polygon && l.polygon.length ? l.polygon
+      : [[l.box[0], l.box[1]], [l.box[2], l.box[1]], [l.box[2], l.box[3]], [l.box[0], l.box[3]]])
+      .map(([x, y]) => [x * s, y * s]);
+    pts.forEach((p, k) => segments.push([p, pts[(k + 1) % pts.length]]));
+  }
+  const near = (x, y) => segments.some(([[ax, ay], [bx, by]]) => {
+    const dx = bx - ax, dy = by - ay, len = dx * dx + dy * dy;
+    const t = len ? Math.max(0, Math.min(1, ((x - ax) * dx + (y - ay) * dy) / len)) : 0;
+    return Math.hypot(x - (ax + t * dx), y - (ay + t * dy)) <= tolerance;
   });
   const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
   let off = 0;
   for (let i = 0; i < data.length; i += 4) {
     const r = data[i], g = data[i + 1], b = data[i + 2];
     if (Math.max(r, g, b) - Math.min(r, g, b) <= 80) continue;
-    const x = (i / 4) % canvas.width, y = Math.floor(i / 4 / canvas.width);
-    const onOutline = boxes.some(([x0, y0, x1, y1]) =>
-      x >= x0 - tolerance && x <= x1 + tolerance && y >= y0 - tolerance && y <= y1 + tolerance &&
-      !(x > x0 + tolerance && x < x1 - tolerance && y > y0 + tolerance && y < y1 - tolerance));
-    if (!onOutline) off++;
+    if (!near((i / 4) % canvas.width, Math.floor(i / 4 / canvas.width))) off++;
   }
   return off;
 }"""

@@ -63,6 +63,8 @@ def test_cpu_build_defaults_size_the_kv_cache_in_bytes():
     assert "gpu_memory_utilization" not in kwargs
     assert kwargs["kv_cache_memory_bytes"] == VLLM_CPU_DEFAULT_KWARGS["kv_cache_memory_bytes"] == 2 * 2**30
     assert kwargs["max_num_seqs"] == 8
+    assert kwargs["dtype"] == "auto"  # bf16 where the CPU has bf16 instructions
+    assert Settings().engine.vllm.kwargs(on_cpu=True, cpu_bf16=False)["dtype"] == "float32"
     assert Settings().engine.vllm.kwargs(on_cpu=False)["gpu_memory_utilization"] == 0.9
     mine = Settings(engine_kwargs={"kv_cache_memory_bytes": 2**28}).engine.vllm.kwargs(on_cpu=True)
     assert mine["kv_cache_memory_bytes"] == 2**28  # engine_kwargs still win

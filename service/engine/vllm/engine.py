@@ -86,6 +86,12 @@ def image_processor_info(model_dir: Path, backend: str) -> ImageProcessorInfo | 
         return None
 
 
+def _cpu_has_bf16() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -152,7 +158,7 @@ class VLLMEngine:
             max_model_len=s.engine.max_model_len,
             limit_mm_per_prompt={"image": 1},
             distributed_executor_backend="uni",
-            **s.engine.vllm.kwargs(on_cpu=on_cpu),
+            **s.engine.vllm.kwargs(on_cpu=on_cpu, cpu_bf16=on_cpu and _cpu_has_bf16()),
         )
         kwargs["enforce_eager"] = kwargs.get("enforce_eager", False) or on_cpu  # no CUDA graphs on a CPU build
         lora = s.engine.lora
