@@ -93,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def engine_on_cpu(settings, nodes: list[dict[str, float]], cpu_build: bool) -> bool:
     """The vLLM engine goes on CPU when the cluster has no GPU, vLLM's CPU build is installed and no setting asked
-    for GPUs (OCR_ENGINE_NUM_GPUS or engine_deployment's ray_actor_options.num_gpus)."""
+    for GPUs (engine_deployment's ray_actor_options.num_gpus, or the older OCR_ENGINE_NUM_GPUS)."""
     asked = "num_gpus" in (settings.serve.engine_deployment.get("ray_actor_options") or {})
     has_gpu = any(node.get("GPU", 0) > 0 for node in nodes)
     return settings.engine.kind == "vllm" and cpu_build and not has_gpu and not asked

