@@ -49,8 +49,8 @@ async def index():
 
 @router.get("/ui/config.json")
 async def config(request: Request, ctx: AppContext = Depends(app_context)):
-    """What the page offers: tasks (and which the running engine supports), job limits, and the adapters the
-    typed key may use. The page loads before a key is typed, so without a key this answers what /readyz and
+    """What the page offers: tasks (and which the running engine supports), `features` (the engine serves adapters),
+    whether keys are required (the key field shows only then), job limits, and the adapters the typed key may use. The page loads before a key is typed, so without a key this answers what /readyz and
     the API docs show anyway (engine kind, base model, tasks) and no adapters: their names are tenants'
     business. A key that is sent must be valid (401 otherwise, so the page can say so)."""
     auth_required = not getattr(ctx.authenticator, "open_mode", False)
