@@ -1,7 +1,11 @@
 """`ocr-serve ocr FILE`: send an image to a running service and print the JSON result. A PDF (or `--pages`) runs as a
 job: submitted, a progress bar drawn from its events stream (stderr), the final result printed. The bar advances on
 each `page` event (pages arrive in page order) and ends on the `done` event; the final JSON (`GET /v1/jobs/{id}`:
-status and every page's result) goes to stdout. Ctrl-C cancels the job on the server."""
+status and every page's result) goes to stdout. Ctrl-C cancels the job on the server.
+
+The service's URL and key come from --url/--api-key or OCR_URL/OCR_API_KEY (config.CLIENT_VARIABLES). What goes wrong
+on the way (refused connection, timeout, unreadable file, bad URL) is one line on stderr and an exit status by cause
+(EXIT_*), never a traceback."""
 
 from __future__ import annotations
 
