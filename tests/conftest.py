@@ -19,6 +19,10 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback only
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's processes push their metrics to the node's agent every 2 s, not every 10 s (Ray's default): the tests that wait
+# for a series in Prometheus wait for it that much less. Every Ray process of the tests' clusters reads it at start.
+METRICS_REPORT_S = 2.0
+os.environ.setdefault("RAY_metrics_report_interval_ms", str(int(METRICS_REPORT_S * 1000)))
 # the product's Serve mode, before any test module imports ray.serve (every Ray process reads it at import)
 from service.serve.local import SERVE_MODE_ENV  # noqa: E402  (imports no Ray)
 

@@ -20,7 +20,7 @@ def test_gpu_comparison_dry_run_on_vllm_cpu(tmp_path):
     raw server configured from the service's own engine arguments, results, report and logs written."""
     out = tmp_path / "gpu"
     done = subprocess.run([sys.executable, "-m", "loadtest", "bench", "gpu", "--tiny", "--workloads", "id_card",
-                           "--pair-s", "4", "--rounds", "1", "--block-s", "2", "--docs", "2", "--out", str(out)],
+                           "--pair-s", "4", "--rounds", "1", "--block-s", "2", "--warmup-s", "1", "--docs", "2", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

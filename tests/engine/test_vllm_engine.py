@@ -311,7 +311,7 @@ def kill_engine_and_check_replaced(url: str, deployment: str) -> None:
                     break
             except httpx.HTTPError:
                 pass
-        time.sleep(2)
+        time.sleep(0.5)
     else:
         pytest.fail(f"the {deployment} replica was not replaced within 600 s")
     resp = httpx.post(url + "/v1/ocr", json={"image": doc.b64(), "task": "text", "max_tokens": 2}, timeout=300)

@@ -132,8 +132,8 @@ async def test_pages_render_in_worker_processes(tiny_model_dir):
 
         # a worker killed (out of memory, say): the pool is replaced, the page rendered again, nothing lost. The
         # executor notices the death on a thread of its own; pages sent before it has noticed are rendered by the
-        # other worker, and the first page after it replaces the pool (a clean-clone CI run on a loaded machine
-        # rendered all four before the executor noticed), so a second round may be the one that replaces it
+        # other worker, and the first page after it replaces the pool (on a loaded machine all four may be rendered
+        # before the executor notices), so a second round may be the one that replaces it
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
         while alive(workers[0]) and time.monotonic() < deadline:

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from service.observability.metrics import LOCAL_NAMESPACE, LOCAL_RELEASE
+from tests.conftest import METRICS_REPORT_S
 from tests.fixtures.documents import render_document
 from tests.integration.test_metrics import ALERT_NAMES
 
@@ -162,20 +163,20 @@ def test_every_dashboard_query_returns_data(stack: Stack):
     image = small_page_b64()
     first = drive_traffic(stack, image)
     assert first.get(429, 0) >= 2 and first.get(401) == 2 and first.get(400) == 2 and first.get(503), first
-    # the Ray metrics agent reports every ~10 s: wait until this round is in Prometheus, then make a second one so
-    # that every counter grows inside the rate window
+    # Ray's processes report their metrics every METRICS_REPORT_S: wait until this round is in Prometheus, then make
+    # a second one so that every counter grows inside the rate window
     prom.wait_for('sum(ocr_requests_total{code="rate_limited"}) > 0')  # (its series exist at 0 from the start)
     prom.wait_for('sum(ocr_engine_healthy)')
     stack.redis.kill()  # Redis outage: the limiter fails open and counts backend errors
     second = drive_traffic(stack, image)
     assert second.get(200, 0) >= 4, second
     prom.wait_for("sum(ocr_ratelimit_backend_errors_total) > 0")
-    time.sleep(12)  # one more report interval with Redis down
+    time.sleep(METRICS_REPORT_S + 1)  # one more report interval with Redis down
     third = drive_traffic(stack, image)
     assert third.get(200, 0) >= 4, third
     sent = sum(first.values()) + sum(second.values()) + sum(third.values())
     # every request counted once, all rounds in Prometheus; only this app's ingress replicas count (in-process apps of
-    # other test modules record into the same Ray session, and series of replaced replicas linger ~20 s)
+    # other test modules record into the same Ray session, and series of replaced replicas linger two report intervals)
     replicas = "|".join(live_ingress_replica_ids())
     prom.wait_for(f'sum(ocr_requests_total{{deployment="OCRIngress", replica=~".*({replicas})"}}) == {sent}')
     prom.wait_for(f'sum(increase(ocr_ratelimit_backend_errors_total[{RATE_INTERVAL}])) > 0')

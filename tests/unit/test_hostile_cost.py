@@ -189,7 +189,7 @@ async def test_a_pdf_job_stops_at_its_documents_cpu_budget():
     from service.engine.mock import MockEngine
     from tests.fixtures.api_inprocess import make_client
 
-    budget_s = 4.0
+    budget_s = 2.0
     heavy = heavy_content_pdf(20, strokes=500_000)  # ≈ 0.2 s to load a page, ≈ 0.6 s to render it
     cpu_before = children_cpu_s()
     async with make_client(MockEngine(), pdf_document_cpu_s=budget_s) as client:

@@ -99,13 +99,13 @@ def test_strip_special_tokens_is_the_fixed_point_of_the_regex(text):
 @hypothesis_settings(max_examples=1500, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(hostile_text, st.integers(1, 300))
-def test_sanitize_user_text_cuts_first_and_matches_the_old_result_within_the_cap(text, max_chars):
+def test_sanitize_user_text_cuts_first_and_equals_sanitising_then_cutting_within_the_cap(text, max_chars):
     from service.admission.prompts import sanitize_user_text
 
     clean = sanitize_user_text(text, max_chars)
     assert len(clean) <= max_chars and not SPECIAL_TOKEN.search(clean)
     assert "<|" not in clean and "|>" not in clean and "｜" not in clean
-    if len(text) <= max_chars:  # what sanitising then cutting gave: the cut comes first now, and changes nothing
+    if len(text) <= max_chars:  # within the cap, cutting first changes nothing: the same as sanitising then cutting
         assert clean == fixed_point(text).replace("｜", "|")[:max_chars].strip()
 
 

@@ -88,7 +88,8 @@ class Receiver:
         if tls is not None:
             tls.sni_callback = lambda sock, name, ctx: self.sni_names.append(name)
             self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # shutdown() waits for the loop to poll its flag: 0.05 s, not the default 0.5 s per receiver
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     @property

@@ -124,7 +124,7 @@ def two_ocr_servers():
     servers = {name: http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler(name, engine_ms))
                for name, engine_ms in (("a", 5.0), ("b", 7.0))}
     for server in servers.values():
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     yield {name: f"http://127.0.0.1:{s.server_address[1]}" for name, s in servers.items()}, seen
     for server in servers.values():
         server.shutdown()
@@ -367,7 +367,7 @@ def test_vllm_histograms_give_mean_ms_per_request_between_scrapes():
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         before = bench_gpu.vllm_histograms(url)

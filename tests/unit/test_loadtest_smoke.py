@@ -59,7 +59,7 @@ def test_locust_csv_counts_answers_that_arrive_during_the_stop_timeout(tmp_path)
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), SlowOCR)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         env = {**os.environ, "OCR_LOADTEST_WORKLOAD": "id_card", "OCR_LOADTEST_DOCS": "1"}
         proc = subprocess.run(

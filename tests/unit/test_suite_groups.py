@@ -1,6 +1,7 @@
 """The suite's own layout (tests/conftest.py): every test lives in a tier folder and carries that tier's marker; the
 unit tier collects without torch or vLLM; and the grouping for pytest-xdist puts the tests that hold vLLM-CPU engines
-in one group, so one worker runs them one at a time, while every other test stays with its module."""
+in one group, so one worker runs them one at a time, while every other test stays with its module; and tests/run.sh
+keeps each run's junit XML and slowest tests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.conftest import ENGINE_GROUP, TIERS, tier_of, uses_engines
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
+HEAVY = ("torch", "torchvision", "transformers", "vllm")  # what `pip install -e '.[dev]'` does not install
 
 
 def _groups(item) -> list[str]:
@@ -48,10 +50,15 @@ def test_every_test_has_its_tier_marker_and_one_group_and_the_engine_tests_share
 
 def test_collecting_the_unit_tier_imports_no_torch_vllm_or_transformers():
     """`pip install -e '.[dev]'` has none of them: a unit test module (or a fixture it loads) that imported one would
-    fail there, and nowhere else, since the full suite's machine has them all."""
+    fail there, and nowhere else, since the full suite's machine has them all. Where none of them is installed, this
+    session's own collection of the tier was that check already."""
+    import importlib.util
+
+    if not any(importlib.util.find_spec(name) for name in HEAVY):
+        pytest.skip(f"none of {', '.join(HEAVY)} is installed: collecting this tier here imported none of them")
     code = ("import sys, pytest\n"
             "rc = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/unit'])\n"
-            "print('HEAVY', sorted(m for m in ('torch', 'torchvision', 'transformers', 'vllm') if m in sys.modules))\n"
+            f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
             "sys.exit(rc)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -92,3 +99,29 @@ def test_under_loadgroup_the_groups_reach_xdists_test_ids(request):
         pytest.skip("not under pytest-xdist's loadgroup (tests/run.sh runs the suite so)")
     for item in request.session.items:
         assert item.nodeid.endswith("@" + _groups(item)[0]), item.nodeid
+
+
+def test_run_sh_keeps_the_junit_xml_and_the_slowest_tests_of_each_run(tmp_path):
+    """tests/run.sh asks pytest for its junit XML and slowest tests in tests/artifacts/, and cuts the slowest-tests
+    table out of the run's log into durations.txt: run here on a log of pytest's shape (the summary after the table
+    stays out of it)."""
+    script = (REPO / "tests" / "run.sh").read_text()
+    assert "--junitxml=\"$ARTIFACTS/junit.xml\"" in script and "--durations=50" in script
+    assert "ARTIFACTS=tests/artifacts" in script
+    (extract,) = [line for line in script.splitlines() if line.startswith("sed -n '/slowest")]
+    assert extract.endswith('> "$ARTIFACTS/durations.txt"')
+    (tmp_path / "pytest.log").write_text(
+        "tests/unit/test_a.py ....\n"
+        "============================= slowest 50 durations =============================\n"
+        "12.50s call     tests/engine/test_x.py::test_slow@vllm-engines\n"
+        "3.10s setup    tests/integration/test_y.py::test_z@tests/integration/test_y.py\n"
+        "=========================== short test summary info ============================\n"
+        "FAILED tests/unit/test_a.py::test_b - AssertionError\n"
+        "========== 1 failed, 3 passed in 20.00s ==========\n")
+    done = subprocess.run(["bash", "-c", extract], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                          env={"ARTIFACTS": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "durations.txt").read_text().splitlines() == [
+        "============================= slowest 50 durations =============================",
+        "12.50s call     tests/engine/test_x.py::test_slow@vllm-engines",
+        "3.10s setup    tests/integration/test_y.py::test_z@tests/integration/test_y.py"]
