@@ -283,7 +283,8 @@ def test_serve_mode_and_front_end_are_set_on_every_ray_container():
         cluster = find(objects, "RayService")[0]["spec"]["rayClusterConfig"]
         pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
                                                                  for g in cluster["workerGroupSpecs"]]
-        return [{e["name"]: e["value"] for e in pod["containers"][0]["env"] if e["name"].startswith("RAY_SERVE_")}
+        return [{e["name"]: e["value"] for e in pod["containers"][0]["env"] if e["name"].startswith("RAY_SERVE_")
+                 and e["name"] != "RAY_SERVE_LOG_TO_STDERR"}  # logs.toStderr: test_logs_reach_stderr
                 for pod in pods]
 
     from service.serve.edge import PROXY_CALLBACK_ENV

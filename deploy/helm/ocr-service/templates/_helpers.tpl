@@ -104,6 +104,9 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
 {{- $gpus := ternary (divf 1 $perGpu) (int .Values.engine.gpusPerReplica) (gt $perGpu 1) -}}
 {{- $actor := dict "num_gpus" $gpus "num_cpus" .Values.engine.rayCpusPerReplica -}}
 {{- $_ := set $deployment "ray_actor_options" (merge $actor (default (dict) $deployment.ray_actor_options)) -}}
+{{- with .Values.engine.maxReplicasPerNode -}}
+{{- $_ := set $deployment "max_replicas_per_node" (int .) -}}
+{{- end -}}
 {{- $_ := set $args "engine_deployment" $deployment -}}
 {{- if eq (default "embedded" .Values.settings.engine) "vllm" -}}
 {{- $_ := set $args "model" .Values.model.path -}}
@@ -177,6 +180,14 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
       name: {{ include "ocr.redisSecretName" . }}
       key: {{ .Values.redis.external.secretKey }}
 {{- end }}
+{{- if .Values.logs.toStderr }}
+# every Ray process writes to the container's stderr (kubectl logs), Serve replicas' loggers too: the
+# throughput-optimized mode turns Serve's stderr handler off unless this is set
+- name: RAY_LOG_TO_STDERR
+  value: "1"
+- name: RAY_SERVE_LOG_TO_STDERR
+  value: "1"
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -192,6 +203,9 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   emptyDir:
     medium: Memory
     sizeLimit: {{ .shm }}
+{{- with $root.Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
 {{- if $root.Values.apiKeys.enabled }}
 - name: api-keys
   secret:
@@ -205,6 +219,9 @@ User settings first, then the values the chart owns (replicas, paths, mounts), w
   mountPath: /tmp
 - name: dshm
   mountPath: /dev/shm
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
 {{- if .Values.apiKeys.enabled }}
 - name: api-keys
   mountPath: {{ .Values.apiKeys.mountPath }}
@@ -242,4 +259,81 @@ the alerts and dashboards group and filter by both (docs/METRICS.md, Scoping).
 - action: replace
   targetLabel: ocr_release
   replacement: {{ .Release.Name | quote }}
+{{- end -}}
+
+
+{{/* Scheduling fields of a Ray pod group (head or engine): priority, runtime class, scheduler. */}}
+{{- define "ocr.podScheduling" -}}
+{{- with .group.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .group.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .root.Values.schedulerName }}
+schedulerName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{- define "ocr.modelClaimName" -}}{{ include "ocr.fullname" . }}-model{{- end -}}
+
+{{/*
+The init container that downloads the weights into the model PVC. The marker holds `repo@revision` and is written
+last, so an interrupted download is resumed (the hub client keeps what it fetched) and a finished one is skipped.
+*/}}
+{{- define "ocr.modelDownloadContainer" -}}
+{{- $d := .Values.model.download -}}
+- name: model-download
+  image: {{ include "ocr.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command:
+    - /bin/sh
+    - -c
+    - |
+      set -eu
+      marker="$MODEL_DIR/.ocr-download-complete"
+      wanted="$MODEL_REPO@$MODEL_REVISION"
+      if [ -f "$marker" ] && [ "$(cat "$marker")" = "$wanted" ]; then
+        echo "model-download: $wanted already in $MODEL_DIR"
+        exit 0
+      fi
+      echo "model-download: fetching $wanted into $MODEL_DIR"
+      mkdir -p "$MODEL_DIR"
+      python -c 'import os; from huggingface_hub import snapshot_download; snapshot_download(repo_id=os.environ["MODEL_REPO"], revision=os.environ["MODEL_REVISION"], local_dir=os.environ["MODEL_DIR"])'
+      printf '%s' "$wanted" > "$marker.tmp"
+      mv "$marker.tmp" "$marker"
+      echo "model-download: done"
+  env:
+    - name: MODEL_REPO
+      value: {{ $d.repo | quote }}
+    - name: MODEL_REVISION
+      value: {{ $d.revision | quote }}
+    - name: MODEL_DIR
+      value: {{ .Values.model.path | quote }}
+    - name: HOME
+      value: /tmp/home
+    - name: HF_HOME
+      value: /tmp/hf
+    - name: HF_HUB_DISABLE_TELEMETRY
+      value: "1"
+    {{- with $d.endpoint }}
+    - name: HF_ENDPOINT
+      value: {{ . | quote }}
+    {{- end }}
+    {{- with $d.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $d.tokenSecret.key }}
+    {{- end }}
+  resources:
+    {{- toYaml $d.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
 {{- end -}}
