@@ -432,7 +432,8 @@ def test_the_vendored_crds_are_in_the_repository_with_their_source():
     for name in CRD_FILES.values():
         assert (CRD_DIR / name).is_file(), name
         row = next(line for line in readme.splitlines() if line.startswith(f"| {name} |"))
-        assert ("ray-project/kuberay" in row or "prometheus-operator/prometheus-operator" in row) and "commit" in row
+        assert any(project in row for project in ("ray-project/kuberay", "prometheus-operator/prometheus-operator",
+                                                  "kubernetes-sigs/gateway-api")) and "commit" in row
 
 
 def test_every_value_has_a_helm_docs_comment():
