@@ -71,10 +71,10 @@ async def test_job_records_survive_memory_pressure(redis_server):
                 r.set(f"filler:{i}", filler, ex=600)
             except redis_py.exceptions.OutOfMemoryError:
                 refused += 1
+        assert r.exists(f"ocr:job:{job_id}") and r.exists(f"ocr:job:{job_id}:pages"), f"{policy} evicted the job"
         assert refused, f"{policy}: the cap was never reached"
         # and it stays reached while the service works (freed client buffers could otherwise let a write through)
         r.config_set("maxmemory", str(int(r.info("memory")["used_memory"]) - 1024 * 1024))
-        assert r.exists(f"ocr:job:{job_id}") and r.exists(f"ocr:job:{job_id}:pages"), f"{policy} evicted the job"
         body = (await client.get(f"/v1/jobs/{job_id}")).json()
         assert body["status"] == "succeeded" and len(body["pages"]) == 2
         # at the cap a new job is refused with the store's stable code, never a 500
