@@ -117,10 +117,13 @@ def test_monitor_scrape_timeout_and_relabelings(options):
     service_endpoint = find(options, "ServiceMonitor")[0]["spec"]["endpoints"][0]
     assert (pod_endpoint["interval"], pod_endpoint["scrapeTimeout"]) == ("30s", "20s")
     assert service_endpoint["scrapeTimeout"] == "10s"
-    for endpoint in (pod_endpoint, service_endpoint):
-        assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
+    for endpoint in (pod_endpoint, service_endpoint):  # the chart's release label first, the values' rules after it
+        assert endpoint["relabelings"][0]["targetLabel"] == "ocr_release"
+        assert endpoint["relabelings"][-1] == {"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                               "targetLabel": "node"}
     # the chart's renames come first, the values' rules after them
-    assert pod_endpoint["metricRelabelings"][-1] == {"action": "labeldrop", "regex": "WorkerId|SessionName"}
+    assert pod_endpoint["metricRelabelings"][-1] == {"sourceLabels": ["__name__"], "regex": "ray_node_network_.+",
+                                                     "action": "drop"}
     assert pod_endpoint["metricRelabelings"][0]["regex"] == "ray_(ocr_.+)"
 
 
