@@ -198,7 +198,8 @@ class Progress:
 
     def steady_pages_per_s(self) -> float | None:
         """Pages/s between the first and the last page written by this run (start-up left out)."""
-        if len(self.arrivals) < 2 or self.arrivals[-1] <= self.arrivals[0]:
+        # too few pages, or all of them in one delivery: no rate to speak of
+        if len(self.arrivals) < 10 or self.arrivals[-1] - self.arrivals[0] < 1.0:
             return None
         return (len(self.arrivals) - 1) / (self.arrivals[-1] - self.arrivals[0])
 
@@ -421,9 +422,11 @@ def _pipeline_rows(options: BatchOptions, settings, plan: WorkerPlan, todo: list
     from service.batch.stages import EngineStage, read_document
     from service.serve import local
 
-    if options.address:
+    # a caller already connected to Ray (a notebook, a test session) runs the batch there and keeps its connection
+    own_ray = not ray.is_initialized()
+    if own_ray and options.address:
         local.connect_ray(options.address)
-    else:
+    elif own_ray:
         local.start_ray(num_gpus=None, log_to_driver=False)
     try:
         context = ray.data.DataContext.get_current()
@@ -440,7 +443,7 @@ def _pipeline_rows(options: BatchOptions, settings, plan: WorkerPlan, todo: list
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
         resources = ray.cluster_resources()
         layout = plan_resources(settings, options, resources.get("CPU", 1.0), resources.get("GPU", 0.0),
-                                None if options.address else os.cpu_count())
+                                None if options.address or not own_ray else os.cpu_count())
         items = []
         for i, source in enumerate(todo):
             sha, pages = index.written_pages(source.uri)
@@ -457,7 +460,7 @@ def _pipeline_rows(options: BatchOptions, settings, plan: WorkerPlan, todo: list
         for batch in records.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4):
             yield from batch.drop_columns(["pixels"]).to_pylist()
     finally:
-        if not options.address:
+        if own_ray and not options.address:
             ray.shutdown()
 
 
