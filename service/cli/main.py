@@ -14,12 +14,16 @@ COMMANDS = (serve.add_serve, serve.add_drain, client.add_cli, batch.add_cli, con
             metrics.add_cli, ui.add_cli, parse.add_cli, modelkit.add_cli, eval_cli.add_cli)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ocr-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args) or 0
 
 
