@@ -444,6 +444,9 @@ def _pipeline_rows(options: BatchOptions, settings, plan: WorkerPlan, todo: list
         resources = ray.cluster_resources()
         layout = plan_resources(settings, options, resources.get("CPU", 1.0), resources.get("GPU", 0.0),
                                 None if options.address or not own_ray else os.cpu_count())
+        if settings.engine.kind == "embedded" and not settings.engine.embedded.threads:
+            # each actor's ONNX Runtime on the CPUs Ray reserved for it, not on every core of its node (auto)
+            plan.settings["engine"]["embedded"]["threads"] = max(1, int(layout.cpus_per_actor))
         items = []
         for i, source in enumerate(todo):
             sha, pages = index.written_pages(source.uri)
