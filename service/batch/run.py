@@ -23,8 +23,7 @@ from collections import Counter
 from typing import Any, Callable, TextIO
 
 from service.batch.inputs import InputError, Source, StoreOptions, list_inputs
-from service.batch.output import (Done, DoneIndex, OutputError, OutputStore, document_markdown, output_settings,
-                                  settings_hash)
+from service.batch.output import (Done, DoneIndex, OutputError, OutputStore, document_markdown, output_settings)
 from service.batch.stages import WorkerPlan, document_item
 
 log = logging.getLogger(__name__)
@@ -442,8 +441,11 @@ def _pipeline_rows(options: BatchOptions, settings, plan: WorkerPlan, todo: list
         warnings.filterwarnings("ignore", module="ray.data")  # advice about the layout this run chose on purpose
         warnings.filterwarnings("ignore", message=".*ray_remote_args.*")
         resources = ray.cluster_resources()
+        # a cluster of this machine alone: its logical CPUs may be more than its cores (Serve's local cluster)
+        alive = [node for node in ray.nodes() if node.get("Alive")]
+        this_node_only = len(alive) == 1 and alive[0]["NodeID"] == ray.get_runtime_context().get_node_id()
         layout = plan_resources(settings, options, resources.get("CPU", 1.0), resources.get("GPU", 0.0),
-                                None if options.address or not own_ray else os.cpu_count())
+                                os.cpu_count() if this_node_only else None)
         if settings.engine.kind == "embedded" and not settings.engine.embedded.threads:
             # each actor's ONNX Runtime on the CPUs Ray reserved for it, not on every core of its node (auto)
             plan.settings["engine"]["embedded"]["threads"] = max(1, int(layout.cpus_per_actor))

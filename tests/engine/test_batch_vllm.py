@@ -24,7 +24,7 @@ def test_batch_with_vllm_cpu_writes_every_page(tiny_model_dir, ray_cluster, tmp_
 
     src = tmp_path / "in"
     src.mkdir()
-    page = lambda text: render_document([text], size=(320, 120), font_size=28, top=30, left=20).image  # noqa: E731
+    page = lambda text: render_document([text], size=(320, 120), font_size=28, top=30, left=20).image
     page("Batch one").save(src / "one.png")
     page("Batch two").save(src / "two.jpg", format="JPEG")
     (src / "three.pdf").write_bytes(pdf_from_images([page("Page A"), page("Page B")], resolution=72))

@@ -164,8 +164,8 @@ def test_hostile_files_give_error_records_in_parquet(tmp_path):
     assert by_name["good.png"]["error"] is None and "hotel" in by_name["good.png"]["text"].lower()
     codes = {name: (by_name[name]["error"] or {}).get("code") for name in hostile}
     assert codes == {"truncated.png": "invalid_image", "bomb.png": "image_too_large",
-                     "text.jpg": "unsupported_media_type", "empty.pdf": "invalid_image",
-                     "encrypted.pdf": "invalid_pdf", "huge-box.pdf": "image_too_large"}, codes
+                     "text.jpg": "unsupported_media_type", "empty.pdf": "empty_image",
+                     "encrypted.pdf": "invalid_pdf", "huge-box.pdf": "invalid_pdf"}, codes  # the API's codes
     for name in hostile:
         assert by_name[name]["text"] is None and by_name[name]["error"]["message"]
     summary = json.loads((out / "_summary.json").read_text())

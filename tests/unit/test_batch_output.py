@@ -22,7 +22,7 @@ def test_folders_globs_and_list_files(tmp_path):
         touch(tmp_path / name)
     (tmp_path / "list.txt").write_text(f"# comment\n{tmp_path / 'c' / '4.tiff'}\n\n{tmp_path / 'a' / '1.png'}\n")
     options = StoreOptions()
-    names = lambda inputs: [s.name for s in list_inputs(inputs, options)]  # noqa: E731
+    names = lambda inputs: [s.name for s in list_inputs(inputs, options)]
     # a folder: recursive, documents only, nothing hidden; names below the folder
     assert names([str(tmp_path / "a")]) == ["1.png", "b/2.PDF", "b/3.jpg"]
     # a glob: `*` within a folder, `**` across; a list file; every document once
