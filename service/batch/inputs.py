@@ -71,7 +71,9 @@ def _filesystem(options: StoreOptions, scheme: str):
     if scheme == "file":
         return pafs.LocalFileSystem()
     if scheme == "s3":
-        kwargs = {"region": options.s3_region} if options.s3_region else {}
+        # delayed open: an object smaller than a part is one PutObject at close (one request; S3-compatible servers
+        # whose CompleteMultipartUpload answer pyarrow rejects, moto's among them, take it too)
+        kwargs = {"allow_delayed_open": True, **({"region": options.s3_region} if options.s3_region else {})}
         if options.s3_endpoint:
             endpoint = options.s3_endpoint
             if "://" in endpoint:
