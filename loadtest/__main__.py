@@ -9,6 +9,8 @@
     python -m loadtest bench cpu ...      the embedded engine through the service against rapidocr called directly;
                                           the serving stack's own cost with the mock engine
     python -m loadtest bench limiter ...  the rate limiter's decisions/s and latency (Redis and in-process)
+    python -m loadtest bench batch ...    `ocr-serve batch` against the engine run directly on the same pages: a
+                                          rapidocr loop (CPU), raw `vllm serve`'s peak (--engine vllm)
 
 `python -m loadtest COMMAND --help` lists a command's options; docs/BENCHMARKS.md has the commands behind the
 published numbers.
@@ -23,7 +25,8 @@ from pathlib import Path
 
 # command → module whose main(argv) runs it (imported on use: the GPU comparison needs no Locust, Locust no vLLM)
 COMMANDS = {"run": "loadtest.run", "documents": "loadtest.documents"}
-BENCHMARKS = {"gpu": "loadtest.bench_gpu", "cpu": "loadtest.bench_cpu", "limiter": "loadtest.bench_limiter"}
+BENCHMARKS = {"gpu": "loadtest.bench_gpu", "cpu": "loadtest.bench_cpu", "limiter": "loadtest.bench_limiter",
+              "batch": "loadtest.bench_batch"}
 
 
 def _exit_on_sigterm(signum, frame) -> None:

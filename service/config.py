@@ -327,9 +327,9 @@ class EngineConfig(Section):
         "image-token budget of an engine that does not report its processor's; also the cap PDF pages render to.")
     image_transport: Literal["png", "pixels"] = Field(
         "png", alias="engine_image_transport",
-        description="How the ingress hands a page to an engine that takes both (vLLM): `png`, a PNG file (the upload "
-        "itself when it already is a bare PNG of the admitted pixels), or `pixels`, the decoded RGB rows (larger "
-        "across Ray; docs/design/image-transport.md). The embedded engine always gets PNG.")
+        description="How the ingress hands a page to the engine: `png`, a PNG file (the upload itself when it already "
+        "is a bare PNG of the admitted pixels), or `pixels`, the decoded RGB rows (larger across Ray; "
+        "docs/design/image-transport.md). `ocr-serve batch` always sends pixels.")
     png_pixel_check: Literal["engine", "ingress"] = Field(
         "engine", description="Where the pixels of an uploaded bare PNG that goes on unchanged are decoded: `engine` "
         "(the ingress checks its chunks, CRCs and header; the engine replica decodes it anyway and answers "

@@ -108,7 +108,7 @@ class EmbeddedEngine:
 
     async def info(self) -> EngineInfo:
         return EngineInfo(name=self.name, model=self._model_name, supported_tasks=list(SUPPORTED_TASKS),
-                          follows_instructions=False)
+                          follows_instructions=False, image_transports=["png", "pixels"])
 
     async def list_adapters(self) -> list[str]:
         return []

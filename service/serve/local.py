@@ -69,7 +69,8 @@ def check_metrics_port(port: int) -> None:
 
 
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
-              metrics_export_port: int | None = None, haproxy: bool = False) -> None:
+              metrics_export_port: int | None = None, haproxy: bool = False,
+              log_to_driver: bool = True) -> None:
     """Ray on this machine for the service; its metrics agent on `metrics_export_port` (None: a free port; PortInUse
     if it is taken); `haproxy`: HAProxy as the HTTP front end unless the environment sets RAY_SERVE_ENABLE_HA_PROXY."""
     from service.serve.edge import PROXY_CALLBACK_ENV
@@ -103,7 +104,7 @@ def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
         num_cpus=num_cpus if num_cpus is not None else max(4, os.cpu_count() or 1),
         num_gpus=num_gpus,
         logging_level=logging.WARNING,
-        log_to_driver=True,
+        log_to_driver=log_to_driver,  # `ocr-serve batch`: its workers' logs stay in the session's files
         _metrics_export_port=metrics_export_port,  # Prometheus endpoint of this node (None: a free port)
     )
 

@@ -402,7 +402,7 @@ def test_the_command_table_answers_help_and_refuses_what_it_does_not_know(capsys
     assert loadtest_main(["--help"]) == 0 and "bench gpu" in capsys.readouterr().out
     assert loadtest_main([]) == 2
     assert loadtest_main(["encoder"]) == 2 and "unknown command 'encoder'" in capsys.readouterr().err
-    assert loadtest_main(["bench", "pool"]) == 2 and "bench {gpu,cpu,limiter}" in capsys.readouterr().err
+    assert loadtest_main(["bench", "pool"]) == 2 and "bench {gpu,cpu,limiter,batch}" in capsys.readouterr().err
 
 
 def test_documents_command_writes_the_generated_pages(tmp_path, capsys):
@@ -466,3 +466,18 @@ def test_port_holder_looks_again_while_a_front_end_hands_its_port_over(tmp_path)
         assert port_holder(proc, port, wait_s=30) == f"{os.path.basename(sys.executable)} -c"
     finally:
         proc.stop(timeout_s=5)
+
+
+def test_bench_batch_report_reads_the_ratios():
+    from loadtest.bench_batch import report
+
+    row = lambda rate: {"pages": 16, "wall_s": 16 / rate, "pages_per_s": rate}  # noqa: E731
+    results = {"engine": "embedded", "date": "d", "command": "python -m loadtest bench batch", "errors": [],
+               "environment": {"cpu_count": 2}, "load_average": [1.0], "pages": {"a4": 8, "id_card": 8},
+               "rounds": [{"direct": row(1.0), "batch": row(0.95), "batch-1": row(0.9), "batch_over_direct": 0.95,
+                           "batch-1_over_direct": 0.9}],
+               "batch_over_direct_median": 0.95, "batch-1_over_direct_median": 0.9}
+    text = report(results)
+    assert "| 1 | 1.0 | 0.95 | **0.95** | 0.9 | 0.9 |" in text and "goal ≥ 0.9: met" in text
+    results["batch_over_direct_median"] = 0.5
+    assert "not met" in report(results)

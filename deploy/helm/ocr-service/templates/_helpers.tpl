@@ -336,4 +336,40 @@ last, so an interrupted download is resumed (the hub client keeps what it fetche
       mountPath: /tmp
     - name: model
       mountPath: {{ .Values.model.mountPath }}
+{{/* Environment of the batch RayJob's pods: writable caches, and the service's settings as OCR_* variables (the
+driver reads them; all but strings as JSON). The engine actors get the settings from the driver. */}}
+{{- define "ocr.batchEnv" -}}
+- name: HOME
+  value: /tmp/home
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+- name: HF_HUB_OFFLINE
+  value: "1"
+- name: TRANSFORMERS_OFFLINE
+  value: "1"
+{{- range $name, $value := .Values.settings }}
+{{- if not (kindIs "invalid" $value) }}
+- name: OCR_{{ upper $name }}
+  {{- /* JSON for numbers too: toString writes a large number as 2.097152e+07 */}}
+  value: {{ ternary $value (toJson $value) (kindIs "string" $value) | quote }}
+{{- end }}
+{{- end }}
+{{- if eq (default "embedded" .Values.settings.engine) "vllm" }}
+- name: OCR_MODEL
+  value: {{ .Values.model.path | quote }}
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The object store's credentials: every key of batch.credentialsSecret as an environment variable. */}}
+{{- define "ocr.batchCredentials" -}}
+{{- with .Values.batch.credentialsSecret }}
+envFrom:
+  - secretRef:
+      name: {{ . }}
+{{- end }}
 {{- end -}}

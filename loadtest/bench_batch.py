@@ -1,0 +1,258 @@
+"""Batch throughput: `ocr-serve batch` against the engine run directly on the same pages, side by side in one run.
+
+    python -m loadtest bench batch --out results/batch                    # CPU: embedded engine, a rapidocr loop
+    python -m loadtest bench batch --engine vllm --out results/batch-gpu  # GPU: vLLM, raw `vllm serve`'s peak
+    python -m loadtest bench batch --engine vllm --tiny --out results/bt  # the GPU comparison's dry run on vLLM-CPU
+
+CPU (`--engine embedded`): generated pages (`--a4` A4 pages 1240×1754 and `--id-cards` ID cards 1000×630) written
+as PNG files, then in each of `--rounds` rounds, in alternating order:
+- `direct`: one process, a plain loop over the files: read, decode (PIL), rapidocr (the RapidOCR object the
+  embedded engine builds: same models, ONNX Runtime on every core), one page after another;
+- `batch`: `ocr-serve batch` on the folder with its defaults (one engine actor per core, one ONNX Runtime thread
+  each), on a Ray started once before the rounds; its time includes listing, the actors' start and model load, the
+  writes and the summary;
+- `batch-1`: the same with one engine actor on every core (`--engine-actors 1 --embedded-threads CORES`): the same
+  compute as `direct`, so the ratio is the pipeline's own cost.
+pages/s = pages ÷ wall time; the ratios batch ÷ direct per round and their median (goal ≥ 0.9).
+
+GPU (`--engine vllm`): the full-size model kit with random weights, A4 pages with exactly 512 output tokens, one
+engine's KV cache fixed at `--kv-budget-gb`. `raw`: `python -m loadtest bench gpu --parts raw --workloads a4` (the same
+engine arguments as the service's engine) at `--raw-levels` clients, its peak pages/s by Little's law; then `batch`:
+`ocr-serve batch` with the same settings on `--pages` A4 pages, pages/s between its first and last record (the
+engine's start left out). Goal: batch ≥ 0.95× raw's peak at 24 GiB and at the whole GPU (`--kv-budget-gb 118` on an
+H200: 0.9 of its memory less the engine's 6 GiB besides the cache).
+
+Writes OUT/results.json and OUT/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from loadtest.common import environment_facts
+from loadtest.documents import make_documents
+
+GOAL_CPU = 0.9
+GOAL_GPU = 0.95
+A4_OUTPUT_TOKENS = 512
+
+
+def write_pages(folder: Path, a4: int, id_cards: int) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for doc in make_documents("a4", a4) + make_documents("id_card", id_cards):
+        path = folder / f"{doc.kind}-{doc.seed:03d}.png"
+        path.write_bytes(doc.png)
+        paths.append(path)
+    return paths
+
+
+# --- CPU: embedded engine ---------------------------------------------------------------------------------------------
+
+def direct_loop(paths: list[Path]) -> dict[str, Any]:
+    """A plain single-process loop calling rapidocr: the baseline a user would write."""
+    import numpy as np
+    from PIL import Image
+
+    from service.config import Settings
+    from service.engine import make_engine
+
+    started = time.perf_counter()
+    engine = make_engine(Settings(engine="embedded"))
+    asyncio.run(engine.start())
+    ocr = engine._ocr  # the RapidOCR object exactly as the engine configures it
+    loaded = time.perf_counter()
+    lines = 0
+    for path in paths:
+        result = ocr(np.array(Image.open(io.BytesIO(path.read_bytes())).convert("RGB")))
+        lines += len(result.txts or ())
+    wall = time.perf_counter() - loaded
+    return {"pages": len(paths), "wall_s": round(wall, 3), "pages_per_s": round(len(paths) / wall, 4),
+            "model_load_s": round(loaded - started, 3), "lines": lines}
+
+
+def batch_run(folder: Path, out: Path, **options: Any) -> dict[str, Any]:
+    from service.batch.inputs import StoreOptions
+    from service.batch.run import BatchOptions, run_batch
+    from service.config import Settings
+
+    threads = options.pop("embedded_threads", 0)
+    settings = Settings(engine="embedded", engine_image_transport="pixels", embedded_threads=threads)
+    stream = io.StringIO()
+    started = time.perf_counter()
+    code = run_batch(BatchOptions(inputs=[str(folder)], out=str(out), request={"task": "text"}, progress=False,
+                                  store=StoreOptions(), **options), settings, stream=stream)
+    wall = time.perf_counter() - started
+    summary = json.loads((out / "_summary.json").read_text())
+    pages = summary["pages"]["written_this_run"]
+    return {"exit": code, "pages": pages, "wall_s": round(wall, 3), "pages_per_s": round(pages / wall, 4),
+            "steady_pages_per_s": summary["steady_pages_per_s"], "latency_ms_p50": summary["latency_ms_p50"],
+            "errors": summary["errors_by_code"], "summary_text": stream.getvalue().strip()}
+
+
+def bench_cpu(args: argparse.Namespace, results: dict[str, Any], save) -> None:
+    from service.serve import local
+
+    paths = write_pages(args.out / "pages", args.a4, args.id_cards)
+    cores = os.cpu_count() or 1
+    arms = {"direct": lambda r: direct_loop(paths),
+            "batch": lambda r: batch_run(args.out / "pages", args.out / f"batch-{r}"),
+            "batch-1": lambda r: batch_run(args.out / "pages", args.out / f"batch1-{r}", engine_actors=1,
+                                           embedded_threads=cores)}
+    local.start_ray(log_to_driver=False)  # once, untimed: a batch on a running cluster
+    try:
+        rounds = results["rounds"] = []
+        for r in range(args.rounds):
+            order = list(arms) if r % 2 == 0 else list(reversed(arms))
+            row: dict[str, Any] = {"order": order}
+            for arm in order:
+                print(f"bench batch: round {r + 1}, {arm}", flush=True)
+                row[arm] = arms[arm](r)
+                print(f"  {row[arm]['pages']} pages in {row[arm]['wall_s']} s: {row[arm]['pages_per_s']} pages/s",
+                      flush=True)
+            for arm in ("batch", "batch-1"):
+                row[f"{arm}_over_direct"] = round(row[arm]["pages_per_s"] / row["direct"]["pages_per_s"], 4)
+            rounds.append(row)
+            save()
+    finally:
+        local.shutdown()
+    results["pages"] = {"a4": args.a4, "id_card": args.id_cards}
+    for arm in ("batch", "batch-1"):
+        results[f"{arm}_over_direct_median"] = round(statistics.median(
+            r[f"{arm}_over_direct"] for r in results["rounds"]), 4)
+
+
+# --- GPU: vLLM ---------------------------------------------------------------------------------------------------------
+
+def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
+    from loadtest import bench_gpu
+
+    raw_out = args.out / "raw"
+    command = [sys.executable, "-m", "loadtest", "bench", "gpu", "--parts", "raw", "--workloads", "a4",
+               "--a4-levels", args.raw_levels, "--kv-budget-gb", str(args.kv_budget_gb), "--pair-s", "5",
+               "--out", str(raw_out), *(["--tiny"] if args.tiny else []),
+               *(["--budget-s", str(args.raw_budget_s)] if args.raw_budget_s else [])]
+    results["raw_command"] = " ".join(command[1:])
+    print("bench batch: raw vllm serve:", results["raw_command"], flush=True)
+    subprocess.run(command, check=False, timeout=args.raw_budget_s + 120 if args.raw_budget_s else None)
+    raw = json.loads((raw_out / "results.json").read_text())
+    levels = {}
+    for level, by_arm in raw["workloads"]["a4"]["blocks"].items():
+        rates = [bench_gpu.throughput(b) for b in by_arm.get("raw", []) if bench_gpu.throughput(b)]
+        if rates:
+            levels[level] = round(statistics.median(rates), 4)
+    results["raw_pages_per_s_by_clients"] = levels
+    results["raw_peak_pages_per_s"] = max(levels.values()) if levels else None
+    save()
+
+    # the batch: the same settings as the raw server's engine, on a Ray started for it
+    from service.batch.inputs import StoreOptions
+    from service.batch.run import BatchOptions, run_batch
+    from service.cli.modelkit import write_kit
+    from service.config import Settings
+    import tempfile
+
+    kit = Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if args.tiny else "ocr-bench-kit")
+    write_kit(kit, tiny=args.tiny, weights=args.tiny)
+    facts = results["environment"]
+    shim = argparse.Namespace(kv_budget_gb=args.kv_budget_gb, tiny=args.tiny, engine_arg=None)
+    settings_fields = bench_gpu.service_settings(shim, kit, facts.get("gpu_memory_gib"))
+    settings_fields.pop("engine_deployment", None)
+    settings_fields.pop("rate_limit_enabled", None)
+    results["batch_settings"] = settings_fields
+    pages = write_pages(args.out / "a4", args.pages, 0)
+    settings = Settings(**settings_fields, engine_image_transport="pixels")
+    stream = io.StringIO()
+    started = time.perf_counter()
+    code = run_batch(BatchOptions(inputs=[str(args.out / "a4")], out=str(args.out / "batch"),
+                                  request={"task": "text", "max_tokens": A4_OUTPUT_TOKENS}, progress=True,
+                                  engine_gpus=0 if args.tiny else 1, store=StoreOptions()), settings, stream=stream)
+    summary = json.loads((args.out / "batch" / "_summary.json").read_text())
+    results["batch"] = {"exit": code, "pages": len(pages), "wall_s": round(time.perf_counter() - started, 2),
+                        "steady_pages_per_s": summary["steady_pages_per_s"], "summary": summary,
+                        "summary_text": stream.getvalue().strip()[-2000:]}
+    if results["raw_peak_pages_per_s"] and summary["steady_pages_per_s"]:
+        results["batch_over_raw_peak"] = round(summary["steady_pages_per_s"] / results["raw_peak_pages_per_s"], 4)
+
+
+# --- report ------------------------------------------------------------------------------------------------------------
+
+def report(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [f"# bench batch ({results['engine']}), {results['date']}", "", f"Command: `{results['command']}`", "",
+             f"Machine: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs), {env.get('gpu', 'no GPU')}; load "
+             f"average {results['load_average']} at the start, {results.get('load_average_end')} at the end; "
+             f"commit {env.get('commit')}; ray {env.get('ray')}, rapidocr {env.get('rapidocr')}", ""]
+    if results["engine"] == "embedded" and results.get("rounds"):
+        lines += [f"Pages: {results['pages']['a4']} A4 + {results['pages']['id_card']} ID cards (PNG files)", "",
+                  "| round | direct pages/s | batch pages/s | batch ÷ direct | batch-1 pages/s | batch-1 ÷ direct |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for i, r in enumerate(results["rounds"], 1):
+            lines.append(f"| {i} | {r['direct']['pages_per_s']} | {r['batch']['pages_per_s']} | "
+                         f"**{r['batch_over_direct']}** | {r['batch-1']['pages_per_s']} | {r['batch-1_over_direct']} |")
+        median = results["batch_over_direct_median"]
+        lines += ["", f"batch ÷ direct, median: **{median}** (goal ≥ {GOAL_CPU}: "
+                  f"{'met' if median >= GOAL_CPU else 'not met'}); batch-1 ÷ direct: "
+                  f"{results['batch-1_over_direct_median']}", ""]
+    if results["engine"] == "vllm":
+        lines += [f"raw `vllm serve` pages/s by clients: {results.get('raw_pages_per_s_by_clients')}; peak "
+                  f"{results.get('raw_peak_pages_per_s')}",
+                  f"batch: {(results.get('batch') or {}).get('steady_pages_per_s')} pages/s; batch ÷ raw peak "
+                  f"**{results.get('batch_over_raw_peak')}** (goal ≥ {GOAL_GPU})", ""]
+    if results["errors"]:
+        lines += ["Errors: " + "; ".join(results["errors"]), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest bench batch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["embedded", "vllm"], default="embedded")
+    parser.add_argument("--a4", type=int, default=12, help="A4 pages (embedded)")
+    parser.add_argument("--id-cards", type=int, default=12, help="ID cards (embedded)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every arm, the order alternating (embedded)")
+    parser.add_argument("--pages", type=int, default=600, help="A4 pages of the batch (vllm)")
+    parser.add_argument("--raw-levels", default="64,128,256", help="clients of raw `vllm serve`'s sweep (vllm)")
+    parser.add_argument("--kv-budget-gb", type=float, default=24.0, help="one engine's KV cache in GiB, the same "
+                        "for raw and batch (vllm; the whole H200: 118, its 0.9 share less the engine's 6)")
+    parser.add_argument("--raw-budget-s", type=float, default=None, help="time limit of the raw sweep (vllm)")
+    parser.add_argument("--tiny", action="store_true", help="vLLM-CPU and the tiny model kit: a dry run (vllm)")
+    parser.add_argument("--out", type=Path, default=Path("results/batch"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if min(args.a4 + args.id_cards, args.rounds, args.pages) < 1:
+        parser.error("--a4 + --id-cards, --rounds and --pages must be ≥ 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                               "command": "python -m loadtest bench batch " + " ".join(argv), "engine": args.engine,
+                               "environment": environment_facts(),
+                               "load_average": [round(x, 1) for x in os.getloadavg()], "errors": []}
+
+    def save() -> None:
+        results["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
+        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+    try:
+        (bench_cpu if args.engine == "embedded" else bench_vllm)(args, results, save)
+    except Exception as exc:
+        traceback.print_exc()
+        results["errors"].append(f"{type(exc).__name__}: {exc}"[:500])
+    save()
+    (args.out / "report.md").write_text(report(results))
+    print(report(results))
+    return 0 if not results["errors"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
