@@ -167,7 +167,8 @@ def node_commands(args: argparse.Namespace, gpus: int, port: str = "PORT", temp_
             "--resources", json.dumps({INGRESS_RESOURCE: 1})]
     workers = [[*ray_cli(), "start", "--block", "--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1",
                 "--num-cpus", str(args.worker_cpus), "--num-gpus", str(args.gpus_per_node), "--disable-usage-stats",
-                "--resources", json.dumps({f"worker_node_{i}": 1})] for i in range(args.worker_nodes if args.cpu else 0)]
+                "--resources", json.dumps({f"worker_node_{i}": 1})]
+               for i in range(args.worker_nodes if args.cpu else 0)]
     return [head, *workers]
 
 
@@ -252,6 +253,12 @@ class Cluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OCR_", "RAY_ADDRESS"))}
         env.update(LOOPBACK_ENV)
         env.update(ray_node_env())
+        # every node on 127.0.0.1: Ray refuses worker nodes there unless told it is meant
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+        if "RAY_AUTH_MODE" not in env and (env.get("RAY_AUTH_TOKEN") or os.path.exists(
+                os.path.expanduser("~/.ray/auth_token"))):
+            # the head takes this user's token; worker nodes join only with it (the driver: local.connect_ray)
+            env["RAY_AUTH_MODE"] = "token"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         if args.cpu:  # a killed node is declared dead within seconds
             env.update(RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="4",
@@ -270,6 +277,7 @@ class Cluster:
     def connect(self) -> None:
         from service.serve import local
 
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"  # a driver of a multi-node cluster on 127.0.0.1
         local.connect_ray(f"127.0.0.1:{self.port}")
 
     def kill(self, name: str) -> None:
@@ -281,8 +289,11 @@ class Cluster:
                 pass
 
     def stop(self) -> None:
+        import shutil
+
         for node in reversed(self.nodes):
             node.stop(timeout_s=15)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def actors(class_suffix: str) -> list[dict[str, Any]]:
@@ -450,6 +461,10 @@ class Bench:
         flat = settings_for(self.args, part, replicas, most, self.kit,
                             self.results["environment"].get("gpu_memory_gib"))
         started = time.monotonic()
+        from ray import serve
+
+        # one HTTP proxy, on the head: the nodes of this machine share its address, and clients use one URL
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": self.http_port})
         self.url = local.run_app(Settings(host="127.0.0.1", port=self.http_port, **flat), wait_ready_s=900)
         wait_replicas(replicas, 900)
         ready = round(time.monotonic() - started, 1)
@@ -663,9 +678,9 @@ def report(results: dict[str, Any]) -> str:
         lines.append("")
     kill = results.get("nodekill")
     if kill:
+        before, after = (json.dumps(kill[k]["engine_replicas_per_node"]) for k in ("before", "after"))
         lines += ["## Worker node killed under load", "",
-                  f"Killed {kill['killed']}; engine replicas per node before {json.dumps(kill['before']['engine_replicas_per_node'])}, "
-                  f"after {json.dumps(kill['after']['engine_replicas_per_node'])}; back after "
+                  f"Killed {kill['killed']}; engine replicas per node before {before}, after {after}; back after "
                   f"{_g(kill['replicas_back_after_s'])} s; {kill['requests']} requests "
                   f"({kill['requests_in_flight_at_kill']} in flight at the kill): {json.dumps(kill['outcomes'])}.", ""]
     auto = results.get("autoscale")
