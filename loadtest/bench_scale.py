@@ -179,6 +179,8 @@ def plan(args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     workloads = [w for w in args.workloads.split(",") if w]
     steps: list[str] = ["cluster: " + " && ".join(shlex.join(c) for c in node_commands(args, gpus)) +
                         f" ({CLUSTER_S['cpu' if args.cpu else 'gpu']:.0f}s)"]
+    steps.append("HTTP front end on the head node: " + ("HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1)" if args.haproxy
+                                                        else "Serve's proxy actor"))
     total = CLUSTER_S["cpu" if args.cpu else "gpu"]
     deployments: list[dict[str, Any]] = []
     first = True
@@ -260,6 +262,11 @@ class Cluster:
             # the head takes this user's token; worker nodes join only with it (the driver: local.connect_ray)
             env["RAY_AUTH_MODE"] = "token"
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        if args.haproxy:  # the chart's HTTP front end, as `ocr-serve serve --engine vllm` runs it
+            from service.serve.local import HAPROXY_BINARY_ENV, HAPROXY_PORT_ENV, haproxy_shim
+
+            env.update({key: str(free_port()) for key in HAPROXY_PORT_ENV}, RAY_SERVE_ENABLE_HA_PROXY="1")
+            env[HAPROXY_BINARY_ENV] = haproxy_shim()
         if args.cpu:  # a killed node is declared dead within seconds
             env.update(RAY_health_check_period_ms="500", RAY_health_check_failure_threshold="4",
                        RAY_health_check_initial_delay_ms="0")
@@ -727,6 +734,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default 2; --cpu 0.5)")
     p.add_argument("--time-scale", type=float, default=None, help="--cpu: the mock engine's time × this "
                    "(default 8); latency bounds × the same")
+    p.add_argument("--haproxy", action=argparse.BooleanOptionalAction, default=None, help="HAProxy as the HTTP "
+                   "front end, the chart's (default on; --cpu off: Serve's proxy actor)")
     p.add_argument("--worker-nodes", type=int, default=2, help="--cpu: worker nodes")
     p.add_argument("--gpus-per-node", type=int, default=2, help="--cpu: GPUs each worker node declares")
     p.add_argument("--head-cpus", type=int, default=None, help="CPUs the head node declares (default: this "
@@ -765,7 +774,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ("parts", "sweep", ",".join(PARTS)), ("workloads", "id_card,a4", "id_card"),
             ("ingress_per_engine", 2.0, 0.5), ("time_scale", 1.0, 8.0), ("head_cpus", os.cpu_count() or 1, 2),
             ("block_s", 20.0, 6.0), ("step_base_s", 30.0, 5.0), ("step_up_s", 200.0, 14.0),
-            ("step_down_s", 100.0, 6.0), ("settle_s", 60.0, 10.0), ("budget_s", 540.0, None)):
+            ("step_down_s", 100.0, 6.0), ("settle_s", 60.0, 10.0), ("budget_s", 540.0, None),
+            ("haproxy", True, False)):
         if getattr(args, name) is None:
             setattr(args, name, cpu_default if cpu else gpu_default)
     if not cpu and args.time_scale != 1.0:
