@@ -158,14 +158,14 @@ def ray_cli() -> list[str]:
     return ["ray"] if shutil.which("ray") else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def node_commands(args: argparse.Namespace, gpus: int, port: str = "PORT", temp_dir: str = "TEMP_DIR"
-                  ) -> list[list[str]]:
+def node_commands(args: argparse.Namespace, gpus: int, port: str = "PORT", temp_dir: str = "TEMP_DIR",
+                  node_ip: str = "NODE_IP") -> list[list[str]]:
     """`ray start` of the head and of each worker node (--cpu), as run (in the foreground: `--block`)."""
-    head = [*ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", port,
+    head = [*ray_cli(), "start", "--head", "--block", "--node-ip-address", node_ip, "--port", port,
             "--num-cpus", str(args.head_cpus), "--num-gpus", str(0 if args.cpu else gpus),
             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir,
             "--resources", json.dumps({INGRESS_RESOURCE: 1})]
-    workers = [[*ray_cli(), "start", "--block", "--address", f"127.0.0.1:{port}", "--node-ip-address", "127.0.0.1",
+    workers = [[*ray_cli(), "start", "--block", "--address", f"{node_ip}:{port}", "--node-ip-address", node_ip,
                 "--num-cpus", str(args.worker_cpus), "--num-gpus", str(args.gpus_per_node), "--disable-usage-stats",
                 "--resources", json.dumps({f"worker_node_{i}": 1})]
                for i in range(args.worker_nodes if args.cpu else 0)]
@@ -248,15 +248,20 @@ class Cluster:
     by killing its session); this process joins it as the driver."""
 
     def __init__(self, args: argparse.Namespace, gpus: int, out: Path):
-        from service.serve.local import LOOPBACK_ENV, ray_node_env
+        from service.serve.local import ray_node_env
 
+        # every node on this machine's address, the one Ray itself picks (it swaps 127.0.0.1 for it); Ray refuses
+        # several nodes on one machine unless told it is meant
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+        from ray._private.services import get_node_ip_address
+
+        self.node_ip = get_node_ip_address()
+        self.out = out
         self.port = free_port()
         self.temp_dir = tempfile.mkdtemp(prefix="ocr-scale-")  # short: Ray's socket paths have a length limit
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OCR_", "RAY_ADDRESS"))}
-        env.update(LOOPBACK_ENV)
-        env.update(ray_node_env())
-        # every node on 127.0.0.1: Ray refuses worker nodes there unless told it is meant
-        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+        env.update(ray_node_env(), RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",
+                   RAY_raylet_start_wait_time_s="120")  # a loaded 2-core machine starts a raylet slowly
         if "RAY_AUTH_MODE" not in env and (env.get("RAY_AUTH_TOKEN") or os.path.exists(
                 os.path.expanduser("~/.ray/auth_token"))):
             # the head takes this user's token; worker nodes join only with it (the driver: local.connect_ray)
@@ -273,7 +278,7 @@ class Cluster:
         else:
             env.update(OFFLINE_ENV)
         self.nodes: list[ManagedProcess] = []
-        for i, cmd in enumerate(node_commands(args, gpus, str(self.port), self.temp_dir)):
+        for i, cmd in enumerate(node_commands(args, gpus, str(self.port), self.temp_dir, self.node_ip)):
             name = "head" if i == 0 else f"worker_node_{i - 1}"
             self.nodes.append(ManagedProcess(name, cmd, log_path=out / "logs" / f"{name}.log", env=env))
             if i == 0:  # workers join a running head
@@ -284,8 +289,7 @@ class Cluster:
     def connect(self) -> None:
         from service.serve import local
 
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"  # a driver of a multi-node cluster on 127.0.0.1
-        local.connect_ray(f"127.0.0.1:{self.port}")
+        local.connect_ray(f"{self.node_ip}:{self.port}")
 
     def kill(self, name: str) -> None:
         node = next(n for n in self.nodes if n.name == name)
@@ -300,6 +304,10 @@ class Cluster:
 
         for node in reversed(self.nodes):
             node.stop(timeout_s=15)
+        # Ray's own logs of the nodes' daemons (raylets, GCS), then the session's folder goes
+        for log in Path(self.temp_dir).glob("session_*/logs/*"):
+            if log.is_file() and log.name.startswith(("raylet", "gcs_server", "python-core-driver")):
+                shutil.copy(log, self.out / "logs" / f"{log.parent.parent.name[-6:]}-{log.name}")
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 

@@ -31,7 +31,7 @@ def test_plan_only_prints_the_cluster_each_deployment_and_every_block_and_starts
     assert not (tmp_path / "a").exists()
     lines = text.splitlines()
     assert lines[0].startswith("plan (540s budget, 4 GPUs, replicas [1, 4]): estimated") and "fits" in lines[0]
-    assert "start --head --block --node-ip-address 127.0.0.1 --port PORT" in lines[1]
+    assert "start --head --block --node-ip-address NODE_IP --port PORT" in lines[1]
     assert "--num-gpus 4" in lines[1] and "&&" not in lines[1]  # one node: this machine and its GPUs
     deploys = [json.loads(re.search(r"(\{.*\}) \(\d+s\)$", line).group(1)) for line in lines if "deploy (" in line]
     assert [d["engine_deployment"]["num_replicas"] for d in deploys] == [1, 4]
@@ -66,7 +66,7 @@ def test_cpu_plan_is_a_multi_node_cluster_with_declared_gpus_and_every_part():
     p = plan_of("--cpu", gpus=4)
     head, *workers = p["steps"][0].split(" && ")
     assert "--num-gpus 0" in head and len(workers) == 2
-    assert all("--num-gpus 2" in w and "--num-cpus 1" in w and "--address 127.0.0.1:PORT" in w for w in workers)
+    assert all("--num-gpus 2" in w and "--num-cpus 1" in w and "--address NODE_IP:PORT" in w for w in workers)
     assert p["replica_counts"] == [1, 2] and p["fits"] and p["total_s"] <= 150
     parts = [d["part"] for d in p["deployments"]]
     assert parts == ["sweep", "sweep", "autoscale"]
