@@ -158,16 +158,23 @@ def ray_cli() -> list[str]:
     return ["ray"] if shutil.which("ray") else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
+NODE_PORTS = ("--node-manager-port", "--object-manager-port", "--metrics-export-port", "--runtime-env-agent-port",
+              "--dashboard-agent-grpc-port", "--dashboard-agent-listen-port")
+
+
 def node_commands(args: argparse.Namespace, gpus: int, port: str = "PORT", temp_dir: str = "TEMP_DIR",
-                  node_ip: str = "NODE_IP") -> list[list[str]]:
-    """`ray start` of the head and of each worker node (--cpu), as run (in the foreground: `--block`)."""
+                  node_ip: str = "NODE_IP", free=lambda: "FREE_PORT") -> list[list[str]]:
+    """`ray start` of the head and of each worker node (--cpu), as run (in the foreground: `--block`). Nodes on one
+    machine get ports of their own: raylets starting side by side otherwise bind the same one (and the dashboard
+    agent's default port is fixed)."""
     head = [*ray_cli(), "start", "--head", "--block", "--node-ip-address", node_ip, "--port", port,
             "--num-cpus", str(args.head_cpus), "--num-gpus", str(0 if args.cpu else gpus),
             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir,
             "--resources", json.dumps({INGRESS_RESOURCE: 1})]
     workers = [[*ray_cli(), "start", "--block", "--address", f"{node_ip}:{port}", "--node-ip-address", node_ip,
                 "--num-cpus", str(args.worker_cpus), "--num-gpus", str(args.gpus_per_node), "--disable-usage-stats",
-                "--resources", json.dumps({f"worker_node_{i}": 1})]
+                "--resources", json.dumps({f"worker_node_{i}": 1}),
+                *(part for flag in NODE_PORTS for part in (flag, str(free())))]
                for i in range(args.worker_nodes if args.cpu else 0)]
     return [head, *workers]
 
@@ -278,13 +285,16 @@ class Cluster:
         else:
             env.update(OFFLINE_ENV)
         self.nodes: list[ManagedProcess] = []
-        for i, cmd in enumerate(node_commands(args, gpus, str(self.port), self.temp_dir, self.node_ip)):
-            name = "head" if i == 0 else f"worker_node_{i - 1}"
-            self.nodes.append(ManagedProcess(name, cmd, log_path=out / "logs" / f"{name}.log", env=env))
-            if i == 0:  # workers join a running head
-                self.nodes[0].wait_for_output("Ray runtime started", 120)
-        for node in self.nodes[1:]:
-            node.wait_for_output("Ray runtime started", 120)
+        try:
+            for i, cmd in enumerate(node_commands(args, gpus, str(self.port), self.temp_dir, self.node_ip,
+                                                  free_port)):
+                name = "head" if i == 0 else f"worker_node_{i - 1}"
+                self.nodes.append(ManagedProcess(name, cmd, log_path=out / "logs" / f"{name}.log", env=env))
+                # one after another: each node registered before the next picks its ports
+                self.nodes[-1].wait_for_output("Ray runtime started", 180)
+        except BaseException:  # the nodes already up go with the one that failed
+            self.stop()
+            raise
 
     def connect(self) -> None:
         from service.serve import local
