@@ -260,6 +260,10 @@ class Cluster:
         # every node on this machine's address, the one Ray itself picks (it swaps 127.0.0.1 for it); Ray refuses
         # several nodes on one machine unless told it is meant
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
+        if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(
+                os.path.expanduser("~/.ray/auth_token"))):
+            # read when Ray is imported (next line): this driver joins with the token the head takes
+            os.environ["RAY_AUTH_MODE"] = "token"
         from ray._private.services import get_node_ip_address
 
         self.node_ip = get_node_ip_address()
