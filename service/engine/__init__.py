@@ -14,9 +14,13 @@ def make_engine(settings: Settings) -> Engine:
         return EmbeddedEngine(det_limit_side_len=settings.engine.embedded.det_limit_side_len,
                               threads=settings.engine.embedded.threads)
     if settings.engine.kind == "mock":
-        from service.engine.mock import MockEngine
+        from service.engine.mock import MockEngine, StepModel
 
-        return MockEngine(delay_s=settings.testing.mock_delay_s, start_delay_s=settings.testing.mock_start_delay_s)
+        scale = settings.testing.mock_time_scale
+        return MockEngine(delay_s=settings.testing.mock_delay_s, start_delay_s=settings.testing.mock_start_delay_s,
+                          step_model=StepModel() if scale else None, time_scale=scale or 1.0,
+                          min_pixels=settings.engine.min_image_pixels,
+                          max_pixels=settings.engine.max_engine_image_pixels)
     if settings.engine.kind == "vllm":
         from service.engine.vllm.engine import VLLMEngine
 

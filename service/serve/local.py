@@ -68,14 +68,21 @@ def check_metrics_port(port: int) -> None:
                             f"one") from None
 
 
+def ray_node_env() -> dict[str, str]:
+    """What every Ray process of the service's cluster reads when it starts (Serve's mode, the replicas' priority,
+    the edge's proxy callback): set here before Ray starts, and by whoever runs `ray start` for the service's nodes
+    (the scaling benchmark's multi-node cluster)."""
+    from service.serve.edge import PROXY_CALLBACK_ENV
+
+    return {**SERVE_MODE_ENV, **WORKER_PRIORITY_ENV, **PROXY_CALLBACK_ENV}
+
+
 def start_ray(num_cpus: int | None = None, num_gpus: int | None = None,
               metrics_export_port: int | None = None, haproxy: bool = False,
               log_to_driver: bool = True) -> None:
     """Ray on this machine for the service; its metrics agent on `metrics_export_port` (None: a free port; PortInUse
     if it is taken); `haproxy`: HAProxy as the HTTP front end unless the environment sets RAY_SERVE_ENABLE_HA_PROXY."""
-    from service.serve.edge import PROXY_CALLBACK_ENV
-
-    for key, value in {**LOOPBACK_ENV, **SERVE_MODE_ENV, **WORKER_PRIORITY_ENV, **PROXY_CALLBACK_ENV}.items():
+    for key, value in {**LOOPBACK_ENV, **ray_node_env()}.items():
         os.environ.setdefault(key, value)
     if haproxy:
         os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")

@@ -32,7 +32,7 @@ H100 = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.2}
 def test_the_tools_import_without_torch_vllm_or_ray():
     """What the fast tier needs: the tools load (and plan) without the engine's packages."""
     code = ("import sys\nimport loadtest.__main__, loadtest.run, loadtest.paired, loadtest.bench_gpu, "
-            "loadtest.bench_cpu, loadtest.bench_limiter, loadtest.common, loadtest.documents\n"
+            "loadtest.bench_cpu, loadtest.bench_limiter, loadtest.bench_scale, loadtest.common, loadtest.documents\n"
             "print(sorted(m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
@@ -402,7 +402,7 @@ def test_the_command_table_answers_help_and_refuses_what_it_does_not_know(capsys
     assert loadtest_main(["--help"]) == 0 and "bench gpu" in capsys.readouterr().out
     assert loadtest_main([]) == 2
     assert loadtest_main(["encoder"]) == 2 and "unknown command 'encoder'" in capsys.readouterr().err
-    assert loadtest_main(["bench", "pool"]) == 2 and "bench {gpu,cpu,limiter,batch}" in capsys.readouterr().err
+    assert loadtest_main(["bench", "pool"]) == 2 and "bench {gpu,scale,cpu,limiter,batch}" in capsys.readouterr().err
 
 
 def test_documents_command_writes_the_generated_pages(tmp_path, capsys):
