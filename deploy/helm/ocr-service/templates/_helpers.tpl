@@ -336,6 +336,8 @@ last, so an interrupted download is resumed (the hub client keeps what it fetche
       mountPath: /tmp
     - name: model
       mountPath: {{ .Values.model.mountPath }}
+{{- end -}}
+
 {{/* Environment of the batch RayJob's pods: writable caches, and the service's settings as OCR_* variables (the
 driver reads them; all but strings as JSON). The engine actors get the settings from the driver. */}}
 {{- define "ocr.batchEnv" -}}
