@@ -129,6 +129,9 @@ def settings_for(args: argparse.Namespace, part: str, replicas: int, most: int, 
         # a node's death must be noticed in seconds, not the product's minute
         engine_deployment.update(health_check_period_s=1.0, health_check_timeout_s=5.0)
         engine_deployment["ray_actor_options"]["num_cpus"] = 0.1
+        # spread across nodes as the chart's engine.maxReplicasPerNode does: a node's loss takes one engine, whose
+        # replacement finds a free GPU on the node no engine holds
+        engine_deployment["max_replicas_per_node"] = 1
     else:
         from loadtest.bench_gpu import service_settings
 
@@ -758,7 +761,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default 8); latency bounds × the same")
     p.add_argument("--haproxy", action=argparse.BooleanOptionalAction, default=None, help="HAProxy as the HTTP "
                    "front end, the chart's (default on; --cpu off: Serve's proxy actor)")
-    p.add_argument("--worker-nodes", type=int, default=2, help="--cpu: worker nodes")
+    p.add_argument("--worker-nodes", type=int, default=3, help="--cpu: worker nodes (one engine replica per node at "
+                   "most, so one stays free for a killed node's replica)")
     p.add_argument("--gpus-per-node", type=int, default=2, help="--cpu: GPUs each worker node declares")
     p.add_argument("--head-cpus", type=int, default=None, help="CPUs the head node declares (default: this "
                    "machine's; --cpu 2)")

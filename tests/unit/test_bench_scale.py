@@ -65,7 +65,7 @@ def test_the_documented_gpu_commands_fit_one_device_call():
 def test_cpu_plan_is_a_multi_node_cluster_with_declared_gpus_and_every_part():
     p = plan_of("--cpu", gpus=4)
     head, *workers = p["steps"][0].split(" && ")
-    assert "--num-gpus 0" in head and len(workers) == 2
+    assert "--num-gpus 0" in head and len(workers) == 3
     assert all("--num-gpus 2" in w and "--num-cpus 1" in w and "--address NODE_IP:PORT" in w for w in workers)
     assert p["replica_counts"] == [1, 2] and p["fits"] and p["total_s"] <= 150
     parts = [d["part"] for d in p["deployments"]]
@@ -73,6 +73,7 @@ def test_cpu_plan_is_a_multi_node_cluster_with_declared_gpus_and_every_part():
     for d in p["deployments"]:
         assert d["settings"]["engine"] == "mock" and d["settings"]["mock_time_scale"] == 8.0
         assert d["settings"]["engine_deployment"]["ray_actor_options"]["num_gpus"] == 1
+        assert d["settings"]["engine_deployment"]["max_replicas_per_node"] == 1  # spread, one node free for a kill
     scaling = p["deployments"][-1]["settings"]["engine_deployment"]["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 2)  # a killed node's GPUs are gone
     assert p["deployments"][-1]["settings"]["latency_target_ms"] == 500 * 8
