@@ -32,7 +32,7 @@ async def test_redis_store_is_shared_by_ingress_replicas(redis_server):
         long_job = (await a.post("/v1/jobs", files=image_parts(20), data={"task": "text"})).json()
         await wait_for_job(b, long_job["id"], lambda body: body["pages_done"] >= 1)
         assert (await b.delete(f"/v1/jobs/{long_job['id']}")).json()["status"] == "cancelled"
-        await asyncio.wait_for_job(runner_of(a).wait_all(), 30)  # A's runner saw B's cancel flag and stopped
+        await asyncio.wait_for(runner_of(a).wait_all(), 30)  # A's runner saw B's cancel flag and stopped
         final = (await a.get(f"/v1/jobs/{long_job['id']}")).json()
         assert final["status"] == "cancelled" and final["pages_done"] < 20
 
