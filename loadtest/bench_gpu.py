@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (PRESETS, cpu_percent, cpu_snapshot, environment_facts, parse_variants, port_holder,
-                             service_prompt, session_members, start_service, start_vllm_server)
+from loadtest.common import (PRESETS, BenchRecord, cpu_percent, cpu_snapshot, environment_facts, parse_variants,
+                             port_holder, service_prompt, session_members, start_service, start_vllm_server)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 from loadtest.paired import Arm, interval_text, paired_summary, ratio_summary, run_paired
 
@@ -299,7 +299,7 @@ def throughput(block: dict[str, Any]) -> float | None:
 
 # --- the run --------------------------------------------------------------------------------------------------------
 
-class Bench:
+class Bench(BenchRecord):
     def __init__(self, args: argparse.Namespace, facts: dict[str, Any], planned: dict[str, Any]):
         self.args, self.out = args, args.out
         self.started = time.monotonic()
@@ -315,14 +315,6 @@ class Bench:
         self.urls: dict[str, str] = {}
         self.gpu = GpuBusy()
         self.rows: list[dict[str, Any]] = []
-
-    def log(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
-
-    def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
 
     def prepare(self) -> None:
         from service.cli.modelkit import write_kit

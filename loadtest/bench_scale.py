@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (REPO_ROOT, ManagedProcess, cpu_snapshot, environment_facts, free_port, session_members)
+from loadtest.common import (REPO_ROOT, BenchRecord, ManagedProcess, cpu_snapshot, environment_facts, free_port,
+                             session_members)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 
 # ID card ≤ 500 ms, A4 page ≤ 3 s p95 (docs/BENCHMARKS.md G1, G2); client levels per replica around one engine's
@@ -444,7 +445,7 @@ def timeline(samples: list[run.Sample], ticks: list[dict[str, Any]], tick_s: flo
 
 # --- the run --------------------------------------------------------------------------------------------------------
 
-class Bench:
+class Bench(BenchRecord):
     def __init__(self, args: argparse.Namespace, planned: dict[str, Any], facts: dict[str, Any]):
         self.args, self.out, self.planned = args, args.out, planned
         self.started = time.monotonic()
@@ -456,14 +457,6 @@ class Bench:
         self.url: str | None = None
         self.http_port = free_port()
         self.kit: str | None = None
-
-    def log(self, message: str) -> None:
-        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
-
-    def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
 
     def prepare(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -442,3 +442,21 @@ def environment_facts() -> dict[str, Any]:
     except (OSError, ValueError, subprocess.TimeoutExpired):
         pass
     return facts
+
+
+class BenchRecord:
+    """A benchmark run's log lines (seconds since its start) and its results.json, rewritten as the run goes so that a
+    run cut short still leaves what it measured. Subclasses set `started`, `out` and `results`."""
+
+    started: float
+    out: Path
+    results: dict[str, Any]
+
+    def log(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+
