@@ -15,19 +15,21 @@ Ray histograms keep exact bucket counts but approximate `_sum` (bucket midpoints
 separate counters.
 
 Counters start at 0: a series that first appears already at 1 (or 36) is one that `rate()`/`increase()` read as no
-increase, so a replica's first errors would be invisible. Each replica therefore exports every label set it can
-know at start (`start_at_zero`: error table x endpoint x task, tenants of the key file and those a reload adds,
-adapters) at 0 before it counts anything; `zero_series_count` says how many that is.
+increase, so a replica's first errors would be invisible. Each replica therefore exports the label sets of the
+alerts' first burst at 0 before it counts anything (`start_at_zero`: successes and ZEROED_CODES x endpoint x task,
+the first MAX_ZEROED_TENANTS tenants of the key file and those a reload adds, adapters); `zero_series_count` says
+how many that is. Not every label set: Ray's agent keeps at most 2000 series per metric on a node.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 from service.errors import ERROR_CODES
 from service.tasks import TASKS
@@ -46,7 +48,6 @@ STAGES = ("decode", "queue", "engine", "preprocess", "first_token", "generate", 
 # `endpoint` label → the statuses of its successes (code `ok`); service/http/middleware.py COUNTED_ENDPOINTS maps
 # routes to these names
 ENDPOINT_SUCCESS_STATUSES = {"ocr": ("200",), "jobs": ("200", "202")}
-CLIENT_DISCONNECTED = ("499", "client_disconnected")  # nginx's status for a client gone before its answer
 AUTH_FAILURE_CODES = ("unauthorized", "forbidden", "ambiguous_credentials")
 # service/jobs/webhook.py OUTCOMES and the terminal job states of service/jobs/model.py (tests keep them equal)
 WEBHOOK_OUTCOMES = ("delivered", "redirect", "http_error", "timeout", "unreachable", "error")
@@ -56,9 +57,22 @@ COMMON_BACKEND_ERRORS = ("ConnectionError", "TimeoutError")
 TENANT_UNKNOWN = "unknown"  # a request refused before authentication
 
 AUTOSCALING_SETTINGS = ("min_replicas", "max_replicas", "target_ongoing_requests", "latency_target_seconds")
-# Ray's metrics agent drops a gauge series that was not re-reported for 2 report intervals (2 x 10 s), and a process
-# reports only values set since its last report: gauges are re-set this often so idle replicas keep their series.
-GAUGE_REFRESH_S = 5.0
+# Ray's metrics agent drops a gauge series that was not re-reported for 2 report intervals, and a process reports only
+# values set since its last report: gauges are re-set every half report interval so idle replicas keep their series.
+# The interval is Ray's `metrics_report_interval_ms` (10 s unless RAY_metrics_report_interval_ms says otherwise).
+RAY_REPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
+RAY_DEFAULT_REPORT_INTERVAL_S = 10.0
+
+
+def gauge_refresh_s(environ: Mapping[str, str] = os.environ) -> float:
+    """How often gauges are re-set: half of Ray's metrics report interval in this process's environment."""
+    try:
+        report_s = float(environ.get(RAY_REPORT_INTERVAL_ENV, "")) / 1000
+    except ValueError:
+        report_s = RAY_DEFAULT_REPORT_INTERVAL_S
+    if not report_s > 0:
+        report_s = RAY_DEFAULT_REPORT_INTERVAL_S
+    return max(0.2, report_s / 2)
 
 
 @dataclass(frozen=True)
@@ -298,10 +312,11 @@ class _Metrics:
         self._in_flight_counts: dict[str, int] = {}
         self._zeroed: set[tuple[str, tuple[tuple[str, str], ...]]] = set()  # label sets exported at 0 (bounded)
 
-    def start_refresher(self, interval_s: float = GAUGE_REFRESH_S) -> None:
-        """Re-set every gauge periodically (see GAUGE_REFRESH_S) from a daemon thread; `close()` stops it."""
+    def start_refresher(self, interval_s: float | None = None) -> None:
+        """Re-set every gauge periodically (default: `gauge_refresh_s()`) from a daemon thread; `close()` stops it."""
         if not self.enabled:
             return
+        interval_s = interval_s or gauge_refresh_s()
 
         def loop() -> None:
             while not self._stop.wait(interval_s):
@@ -381,16 +396,28 @@ def outcome_label(status: int) -> str:
 TASK_LABELS = (*TASKS, "unknown")
 
 
-def request_outcomes(endpoint: str) -> list[tuple[str, str]]:
-    """Every (status, code) a request to `endpoint` can end with: its successes, each error of the error table, a
-    client gone before its answer."""
-    return ([(status, "ok") for status in ENDPOINT_SUCCESS_STATUSES[endpoint]]
-            + [(str(status), code) for code, (status, _) in ERROR_CODES.items()] + [CLIENT_DISCONNECTED])
+# Ray's metrics agent keeps at most 2000 series per metric on a node (OpenTelemetry's default cardinality limit),
+# for every replica that ever ran there: past it, new label sets lose their labels. So only what the alerts' first
+# burst needs starts at 0: successes, 429s and the load-related 503s per endpoint x task, and 401s (refused before
+# the task is read: task `unknown`). 101 `ocr_requests` series per ingress replica, not one per error code (~870).
+ZEROED_CODES = ("rate_limited", "overloaded", "engine_unavailable")
+ZEROED_BEFORE_TASK = (("401", "unauthorized"),)
+# tenants of a key file whose label sets start at 0 (the first ones, sorted): a key file of thousands of tenants
+# must not fill the agent's series budget before the first request
+MAX_ZEROED_TENANTS = 50
+TENANT_ZEROED_OUTCOMES = (("200", "ok"), ("429", "rate_limited"))
 
 
-def tenant_outcomes() -> list[tuple[str, str]]:
-    """(status, code) pairs of `ocr_tenant_requests` (every endpoint's)."""
-    return sorted({outcome for endpoint in ENDPOINT_SUCCESS_STATUSES for outcome in request_outcomes(endpoint)})
+def zeroed_request_labels() -> Iterator[dict[str, str]]:
+    """The `ocr_requests` label sets that start at 0: each endpoint's successes and ZEROED_CODES for every task,
+    ZEROED_BEFORE_TASK for task `unknown`."""
+    for endpoint, successes in ENDPOINT_SUCCESS_STATUSES.items():
+        outcomes = [(status, "ok") for status in successes] + [(str(ERROR_CODES[c][0]), c) for c in ZEROED_CODES]
+        for task in TASK_LABELS:
+            for status, code in outcomes:
+                yield {"endpoint": endpoint, "task": task, "status": status, "code": code}
+        for status, code in ZEROED_BEFORE_TASK:
+            yield {"endpoint": endpoint, "task": "unknown", "status": status, "code": code}
 
 
 class IngressMetrics(_Metrics):
@@ -400,6 +427,7 @@ class IngressMetrics(_Metrics):
 
     def __init__(self, factory: InstrumentFactory | None = None):
         super().__init__(factory)
+        self._zeroed_tenants: set[str] = set()
 
     @classmethod
     def for_settings(cls, settings) -> "IngressMetrics":
@@ -427,11 +455,10 @@ class IngressMetrics(_Metrics):
         """The label sets this replica can know before its first request: every endpoint x task x (status, code),
         the tenant-free counters, the pre-authentication tenant `unknown` (and `anonymous` without a key file:
         key-file tenants come through `tenants_known`), Redis' counters where Redis is used."""
-        self._zero("ocr_requests", ({"endpoint": endpoint, "task": task, "status": status, "code": code}
-                                    for endpoint in ENDPOINT_SUCCESS_STATUSES for task in TASK_LABELS
-                                    for status, code in request_outcomes(endpoint)))
+        self._zero("ocr_requests", zeroed_request_labels())
+        # a request refused before authentication: 401, or 429 from the per-address limit
         self._zero("ocr_tenant_requests", ({"tenant": TENANT_UNKNOWN, "status": status, "code": code}
-                                           for status, code in tenant_outcomes()))
+                                           for status, code in (("401", "unauthorized"), ("429", "rate_limited"))))
         if settings.auth.api_keys_file is None:
             self.tenants_known(["anonymous"])
         self._zero("ocr_auth_failures", ({"reason": code} for code in AUTH_FAILURE_CODES))
@@ -446,11 +473,16 @@ class IngressMetrics(_Metrics):
             self._zero("ocr_jobs_lost", [{}])
 
     def tenants_known(self, tenants: Iterable[str]) -> None:
-        """The tenants of the key file, at start and after each reload: their label sets at 0 (new ones only)."""
-        outcomes = tenant_outcomes()
+        """The tenants of the key file, at start and after each reload: their successes and 429s at 0 (new ones
+        only, the first MAX_ZEROED_TENANTS in all)."""
         for tenant in sorted(set(tenants)):
+            if len(self._zeroed_tenants) >= MAX_ZEROED_TENANTS:
+                return
+            if tenant in self._zeroed_tenants:
+                continue
+            self._zeroed_tenants.add(tenant)
             self._zero("ocr_tenant_requests", ({"tenant": tenant, "status": status, "code": code}
-                                               for status, code in outcomes))
+                                               for status, code in TENANT_ZEROED_OUTCOMES))
             self._zero("ocr_rate_limited", [{"tenant": tenant}])
 
     def adapters_known(self, adapters: Iterable[str]) -> None:

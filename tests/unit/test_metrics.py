@@ -18,6 +18,7 @@ from service.observability.metrics import (
     METRIC_RELABEL_CONFIGS,
     METRICS,
     METRICS_BY_NAME,
+    MAX_ZEROED_TENANTS,
     IngressMetrics,
     MetricSpec,
     reference_table,
@@ -370,11 +371,10 @@ def zeroed(recorder: Recorder, name: str) -> list[dict]:
     return [c[3] for c in recorder.of(name) if c[1] == "zero"]
 
 
-def test_ingress_starts_every_known_label_set_at_zero(tmp_path):
+def test_ingress_starts_the_alerts_label_sets_at_zero_and_no_more(tmp_path):
     from service.admission.auth import make_authenticator
     from service.cli.keys import add_key
     from service.config import Settings
-    from service.errors import ERROR_CODES
     from service.tasks import TASKS
 
     keys_file = tmp_path / "keys.yaml"
@@ -385,17 +385,20 @@ def test_ingress_starts_every_known_label_set_at_zero(tmp_path):
     metrics.start_at_zero(settings)
     authenticator = make_authenticator(settings, on_tenants=metrics.tenants_known)
     requests = zeroed(recorder, "ocr_requests")
-    # every endpoint x task x every (status, code) of the error table, the successes and 499
+    # every endpoint x task x (its successes, 429s, the load-related 503s); 401s (before the task is read) as
+    # `unknown`; not the whole error table
     for endpoint in ("ocr", "jobs"):
         for task in (*TASKS, "unknown"):
-            for code, (status, _) in ERROR_CODES.items():
-                assert {"endpoint": endpoint, "task": task, "status": str(status), "code": code} in requests
-            assert {"endpoint": endpoint, "task": task, "status": "200", "code": "ok"} in requests
-            assert {"endpoint": endpoint, "task": task, "status": "499", "code": "client_disconnected"} in requests
+            for status, code in [("200", "ok"), ("429", "rate_limited"), ("503", "overloaded"),
+                                 ("503", "engine_unavailable")]:
+                assert {"endpoint": endpoint, "task": task, "status": status, "code": code} in requests
+        assert {"endpoint": endpoint, "task": "unknown", "status": "401", "code": "unauthorized"} in requests
     assert {"endpoint": "jobs", "task": "text", "status": "202", "code": "ok"} in requests
-    assert len(requests) == len({tuple(sorted(t.items())) for t in requests})  # each once
+    assert {r["code"] for r in requests} == {"ok", "rate_limited", "overloaded", "engine_unavailable", "unauthorized"}
+    assert len(requests) == len({tuple(sorted(t.items())) for t in requests}) == 101  # each once
     tenants = zeroed(recorder, "ocr_tenant_requests")
     assert {"tenant": "acme", "status": "429", "code": "rate_limited"} in tenants
+    assert {"tenant": "acme", "status": "200", "code": "ok"} in tenants
     assert {"tenant": "unknown", "status": "401", "code": "unauthorized"} in tenants
     assert not any(t["tenant"] == "anonymous" for t in tenants)  # a key file: no anonymous requests
     assert zeroed(recorder, "ocr_rate_limited") == [{"tenant": "acme"}]
@@ -415,8 +418,13 @@ def test_ingress_starts_every_known_label_set_at_zero(tmp_path):
     assert {c[3]["tenant"] for c in added if c[0] == "ocr_tenant_requests"} == {"globex"}
     assert metrics.zero_series_count == len({(c[0], tuple(sorted(c[3].items()))) for c in recorder.calls
                                              if c[1] == "zero"})
-    # bounded: requests' label sets do not grow with tenants
+    # bounded: requests' label sets do not grow with tenants, and the tenants zeroed stop at MAX_ZEROED_TENANTS
     assert metrics.zero_series_count < 2 * len(requests) + 4 * len(tenants)
+    metrics.tenants_known([f"tenant-{i:04d}" for i in range(5000)])
+    zeroed_tenants = {t["tenant"] for t in zeroed(recorder, "ocr_tenant_requests")} - {"unknown"}
+    assert len(zeroed_tenants) == MAX_ZEROED_TENANTS and {"acme", "globex"} <= zeroed_tenants
+    # a node's agent keeps 2000 series per metric for every replica that ran there: a replica takes a fraction
+    assert len(requests) * 10 < 2000
 
 
 def test_open_mode_starts_anonymous_and_no_redis_series_without_redis():
@@ -522,3 +530,14 @@ def test_serve_refuses_a_taken_metrics_port_in_one_line():
         with pytest.raises(PortInUse, match=f"metrics port {port} on 127.0.0.1: .*OCR_METRICS_EXPORT_PORT"):
             check_metrics_port(port)
     check_metrics_port(port)  # free again
+
+
+def test_gauges_are_re_set_within_ray_s_report_interval():
+    """Ray's agent drops a gauge not re-reported for two report intervals: the refresher runs every half interval,
+    whatever the interval (tests run Ray at 2 s, where a fixed 5 s refresh let gauges vanish between scrapes)."""
+    from service.observability.metrics import gauge_refresh_s
+
+    assert gauge_refresh_s({}) == 5.0  # Ray's default 10 s
+    assert gauge_refresh_s({"RAY_metrics_report_interval_ms": "2000"}) == 1.0
+    assert gauge_refresh_s({"RAY_metrics_report_interval_ms": "not-a-number"}) == 5.0
+    assert gauge_refresh_s({"RAY_metrics_report_interval_ms": "0"}) == 5.0
