@@ -228,9 +228,11 @@ class JobRunner:
         now = time.time()
         error = ErrorInfo(code="job_lost", message="the job store (Redis) lost this job's state (restart or "
                           "failover without its data); the results of its pages are gone: resubmit the job")
-        await self.store.restore(record.model_copy(update={"status": "failed", "error": error, "updated_at": now,
-                                                           "heartbeat_at": now, "finished_at": now}))
+        # the record first (pages are stored only for a job that exists), then its pages, then the end state: a
+        # reader never sees the job failed with pages still missing
+        await self.store.restore(record.model_copy(update={"updated_at": now, "heartbeat_at": now}))
         await self._fail_missing_pages(record, error)
+        await self.store.update(record.id, status="failed", error=error, updated_at=now, finished_at=now)
         self.ctx.metrics.job_lost()
         self.ctx.metrics.job_finished("failed")
         log.warning("job %s: its state vanished from the job store (Redis restart or failover without the data); "

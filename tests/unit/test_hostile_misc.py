@@ -284,6 +284,15 @@ async def test_a_job_whose_state_vanished_is_failed_as_lost(key_file, monkeypatc
         while (await client.get(f"/v1/jobs/{job_id}", headers=bearer(keys["acme"]))).json()["pages_done"] < 2:
             await asyncio.sleep(0.05)
         store = app.state.jobs.store
+        pages_when_failed: list[int] = []
+        update = store.update
+
+        async def update_seen(job_id_: str, **fields):
+            if fields.get("status") == "failed":  # what a reader polling for the end would see at that moment
+                pages_when_failed.append(len(await store.pages(job_id_)))
+            await update(job_id_, **fields)
+
+        monkeypatch.setattr(store, "update", update_seen)
         for state in (store._jobs, store._pages, store._expires):
             state.pop(job_id)
         assert (await client.get(f"/v1/jobs/{job_id}", headers=bearer(keys["acme"]))).status_code == 404
@@ -292,6 +301,7 @@ async def test_a_job_whose_state_vanished_is_failed_as_lost(key_file, monkeypatc
         events = sse_events((await client.get(f"/v1/jobs/{job_id}/events", headers=bearer(keys["acme"]))).text)
     assert view["status"] == "failed" and view["error"]["code"] == "job_lost", view
     assert view["pages_done"] == pages and len(view["pages"]) == pages  # every page accounted for
+    assert pages_when_failed == [pages]  # ...before the job turns failed
     assert {p["error"]["code"] for p in view["pages"] if p["status"] == "failed"} == {"job_lost"}
     assert len(engine.requests) < pages  # the runner stopped instead of finishing pages nobody can read
     assert events[-1][0] == "done" and events[-1][1]["error"]["code"] == "job_lost"
