@@ -273,21 +273,26 @@ async def run_closed(base_url: str, target: Target, requests: list[Request], con
     counter = iter(range(10**12))
     async with _session() as session:
         t0 = time.perf_counter()
-        deadline = t0 + duration_s
+
+        def answered() -> int:
+            return sum(1 for s in result.samples if s.end_s >= warmup_s)
+
+        def more_wanted() -> bool:
+            """Before `duration_s`; after it, while answers are missing (at most `timeout_s` more). Each client asks
+            this itself, so none stops between the step's end and the check for missing answers."""
+            elapsed = time.perf_counter() - t0
+            return elapsed < duration_s or (answered() < min_answers and elapsed < duration_s + timeout_s)
 
         async def client() -> None:
-            while time.perf_counter() < deadline:
+            while more_wanted():
                 request = requests[next(counter) % len(requests)]
                 result.samples.append(await _send(session, url, target, request, t0, timeout_s))
 
         tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
-        while True:
-            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
-            answered = sum(1 for s in result.samples if s.end_s >= warmup_s)
-            if not pending or answered >= min_answers or deadline - t0 >= duration_s + timeout_s:
-                break
-            deadline += 0.5
-        result.duration_s = round(deadline - t0, 3)
+        _, pending = await asyncio.wait(tasks, timeout=duration_s)
+        while pending and more_wanted():
+            _, pending = await asyncio.wait(pending, timeout=0.5)
+        result.duration_s = round(time.perf_counter() - t0, 3)
         result.cancelled = len(pending)
         for task in pending:
             task.cancel()

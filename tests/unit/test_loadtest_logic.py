@@ -5,6 +5,7 @@ process helpers on this machine's /proc. Stand-in HTTP servers play the service 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import http.server
 import json
@@ -481,3 +482,32 @@ def test_bench_batch_report_reads_the_ratios():
     assert "| 1 | 1.0 | 0.95 | **0.95** | 0.9 | 0.9 |" in text and "goal ≥ 0.9: met" in text
     results["batch_over_direct_median"] = 0.5
     assert "not met" in report(results)
+
+
+async def test_a_closed_step_waits_for_its_minimum_of_answers_past_its_duration():
+    """Each answer takes longer than the whole step: the one client keeps sending until `min_answers` arrived
+    (a client that checked only the step's end stopped after its first answer)."""
+    from aiohttp import web
+
+    from loadtest.run import Job, OCRTarget, Request, run_closed
+
+    async def slow(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(0.3)
+        return web.json_response({"text": "ok", "usage": {"output_tokens": 1}})
+
+    app = web.Application()
+    app.router.add_post("/v1/ocr", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        requests = [Request(Job("id_card", "text"), None, b"{}")]
+        step = await run_closed(f"http://127.0.0.1:{port}", OCRTarget(), requests, concurrency=1, duration_s=0.1,
+                                warmup_s=0.0, timeout_s=10.0, min_answers=3)
+    finally:
+        await runner.cleanup()
+    assert len(step.samples) == 3 and all(s.status == 200 for s in step.samples), step.samples
+    assert step.cancelled == 0 and step.duration_s >= 0.9
