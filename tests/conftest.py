@@ -29,12 +29,19 @@ from service.serve.local import SERVE_MODE_ENV  # noqa: E402  (imports no Ray)
 for _name, _value in SERVE_MODE_ENV.items():
     os.environ.setdefault(_name, _value)
 
+# The Ray cluster, the Serve deployer and the Prometheus that scrapes them are session fixtures shared by the
+# integration and engine tiers: defined once here, so that a worker that runs tests of both tiers starts one cluster
+# and deploys on one Serve port (two definitions would be two sessions' fixtures: a second cluster, and a second
+# port that Serve, already started, ignores). Their modules import Ray only when a fixture runs.
 pytest_plugins = [
     "tests.fixtures.api_inprocess",
     "tests.fixtures.documents",
     "tests.fixtures.helm",
     "tests.fixtures.listeners",
     "tests.fixtures.pdfs",
+    "tests.fixtures.prometheus",
+    "tests.fixtures.reliability",
+    "tests.fixtures.serve_app",
 ]
 
 TESTS = Path(__file__).resolve().parent

@@ -3,7 +3,4 @@ model: one Serve deployment shared by the tests marked `vllm`, engines of their 
 (one worker runs both kinds one at a time: tests/conftest.py), and the plugin, processor and model-kit checks that
 need torch, transformers or vLLM's code without an engine."""
 
-from tests.fixtures.prometheus import prometheus_server, ray_metrics_targets  # noqa: F401
-from tests.fixtures.reliability import replicas  # noqa: F401
-from tests.fixtures.serve_app import ray_cluster, serve_app  # noqa: F401
 from tests.fixtures.vllm import lora_dir, tiny_model_dir, vllm_settings, vllm_url  # noqa: F401

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from service.config import VLLM_CPU_DEFAULT_KWARGS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,7 +28,8 @@ def test_gpu_comparison_dry_run_on_vllm_cpu(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert set(results["servers"]) == {"raw", "service"} and results["errors"] == {} and results["dropped"] == []
     assert results["servers"]["service"]["http_listener"] == "haproxy"  # the vLLM engine's default front end
-    assert results["raw_engine_args"]["max_num_seqs"] == "64"  # the service's default, passed on
+    # the service's own engine arguments passed on: on vLLM's CPU build its CPU defaults
+    assert results["raw_engine_args"]["max_num_seqs"] == str(VLLM_CPU_DEFAULT_KWARGS["max_num_seqs"])
     one = results["workloads"]["id_card"]["one_client"]
     assert one["complete_rounds"] >= 1 and {a["errors"] for a in one["arms"].values()} == {0}
     assert {a["output_tokens_mean"] for a in one["arms"].values()} == {16.0}  # fixed output length on both

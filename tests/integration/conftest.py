@@ -2,7 +2,4 @@
 packages) and Ray Serve clusters with the embedded and mock engines."""
 
 from tests.fixtures.browser import browser_context, browser_page  # noqa: F401
-from tests.fixtures.prometheus import prometheus_server, ray_metrics_targets  # noqa: F401
 from tests.fixtures.redis import redis_server, redis_server_module  # noqa: F401
-from tests.fixtures.reliability import replicas  # noqa: F401
-from tests.fixtures.serve_app import embedded_url, ray_cluster, serve_app  # noqa: F401

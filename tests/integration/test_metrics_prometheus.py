@@ -32,7 +32,7 @@ pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = ROOT / "deploy" / "grafana" / "dashboards"
 ALERTS = ROOT / "deploy" / "grafana" / "alerts.yaml"
-RATE_INTERVAL = "1m"  # what Grafana's $__rate_interval becomes here (scrape interval 1 s)
+RATE_INTERVAL = "1m"  # what Grafana's $__rate_interval becomes here (scrape interval 2 s)
 VLM_ONLY = ("vllm:", "ocr_request_image_tokens", "ocr_request_output_tokens", "ocr_adapter_")
 
 

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.ray
 DIRECT_INGRESS_PORTS = range(30000, 31001)
 
 
-@pytest.mark.parametrize("env, direct_ingress", [(None, True), ("0", False), ("1", True)],
-                         ids=["default", "standard", "throughput_optimized"])
+# (the mode set explicitly to "1" is the default case again: the default is read from the same setting)
+@pytest.mark.parametrize("env, direct_ingress", [(None, True), ("0", False)], ids=["default", "standard"])
 def test_serve_mode_is_throughput_optimized_unless_the_environment_says_otherwise(env, direct_ingress, tmp_path,
                                                                                    monkeypatch):
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)  # tests/conftest.py sets the default
