@@ -459,4 +459,3 @@ class BenchRecord:
         self.out.mkdir(parents=True, exist_ok=True)
         self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
-

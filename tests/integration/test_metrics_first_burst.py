@@ -126,6 +126,10 @@ def test_first_burst_of_errors_and_429s_is_counted(service, prometheus):
     assert prom.query('ocr_requests_total{code="engine_unavailable", endpoint="ocr", task="text"} == 0')
     assert prom.query('ocr_image_tokens_total{task="spotting"} == 0')
     assert prom.query('ocr_repetition_cutoffs_total{task="text"} == 0')
+    # every request counter series keeps its labels: the overflow alert's expression finds nothing on real data
+    overflow = next(rule["query"] for rule in prom.rules() if rule["name"] == "OCRMetricsSeriesOverflow")
+    assert prom.query(overflow) == []
+    assert prom.query('count(ocr_requests_total{replica!=""}) > 0')
     # one replica's share of the agent's 2000 series per metric stays small (service/observability/metrics.py)
     assert value(prom, "count(ocr_requests_total)") <= 110 and value(prom, "count(ocr_tenant_requests_total)") <= 10
     # Ray's per-process labels are gone from the product's series
