@@ -87,7 +87,7 @@ hostile_text = st.one_of(st.text(text_chars, max_size=80), nested_tokens(), long
                          .map("".join))
 
 
-@hypothesis_settings(max_examples=2500, deadline=None, derandomize=True,
+@hypothesis_settings(max_examples=1000, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(hostile_text)
 def test_strip_special_tokens_is_the_fixed_point_of_the_regex(text):
@@ -96,7 +96,7 @@ def test_strip_special_tokens_is_the_fixed_point_of_the_regex(text):
     assert strip_special_tokens(text) == fixed_point(text)
 
 
-@hypothesis_settings(max_examples=1500, deadline=None, derandomize=True,
+@hypothesis_settings(max_examples=600, deadline=None, derandomize=True,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(hostile_text, st.integers(1, 300))
 def test_sanitize_user_text_cuts_first_and_equals_sanitising_then_cutting_within_the_cap(text, max_chars):
