@@ -464,10 +464,10 @@ def bench_kit(tiny: bool) -> tuple[Path, dict[str, Any]]:
     return kit, write_kit(kit, tiny=tiny, weights=tiny)
 
 
-def new_results(command: str, argv: list[str], **fields: Any) -> dict[str, Any]:
+def new_results(command: str, argv: list[str], environment: dict[str, Any] | None = None, **fields: Any) -> dict:
     """The start of a results.json: date, the command as run, the machine (`environment_facts`), then `fields`."""
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": f"python -m loadtest {command} " +
-            shlex.join(argv), "environment": environment_facts(), **fields}
+            shlex.join(argv), "environment": environment or environment_facts(), **fields}
 
 
 def load_average() -> list[float]:
