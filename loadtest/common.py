@@ -474,6 +474,32 @@ def load_average() -> list[float]:
     return [round(x, 1) for x in os.getloadavg()]
 
 
+def save_results(results: dict[str, Any], out: Path) -> None:
+    results["load_average_end"] = load_average()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def run_parts(results: dict[str, Any], out: Path, parts: dict[str, Any], report) -> int:
+    """The parts (name → function) in turn, each one's result under its name; one that fails is listed in
+    results["errors"] and the others still run. results.json is rewritten after each, then report.md written and
+    printed. Returns the exit status: 1 where a part failed."""
+    import traceback
+
+    for name, part in parts.items():
+        print(f"{results['command'].split(' --')[0]}: {name}", flush=True)
+        try:
+            if (value := part()) is not None:
+                results[name] = value
+        except Exception as exc:  # one part failing must not cost the others their numbers
+            traceback.print_exc()
+            results["errors"].append(f"{name}: {type(exc).__name__}: {exc}"[:500])
+        save_results(results, out)
+    (out / "report.md").write_text(text := report(results))
+    print(text)
+    return 1 if results["errors"] else 0
+
+
 def report_head(results: dict[str, Any], title: str, machine: str) -> list[str]:
     return [f"# {title}, {results['date']}", "", f"Command: `{results['command']}`", "", f"Machine: {machine}", ""]
 
