@@ -35,6 +35,7 @@ import threading
 import sys
 import time
 import urllib.parse
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -232,10 +233,8 @@ class GpuBusy:
 
     def _read(self) -> None:
         for line in self._proc.stdout:
-            try:
+            with suppress(ValueError):
                 self.samples.append((time.monotonic(), float(line.strip())))
-            except ValueError:
-                continue
 
     def mean(self, t0: float, t1: float) -> float | None:
         window = [v for t, v in self.samples if t0 <= t <= t1]
@@ -256,10 +255,10 @@ def vllm_histograms(url: str) -> dict[str, tuple[float, float]]:
     totals = {name: [0.0, 0.0] for name in VLLM_HISTOGRAMS}
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+            lines = resp.read().decode().splitlines()
     except OSError:
         return {}
-    for line in text.splitlines():
+    for line in lines:
         metric = line.split("{", 1)[0].split(" ", 1)[0]
         if metric in wanted:
             name, i = wanted[metric]
@@ -309,7 +308,7 @@ class Bench(BenchRecord):
 
     def start_servers(self) -> None:
         """Every server at once; when one fails to start, the others are stopped with it (by the caller)."""
-        def launch(server: Server) -> tuple[Any, str]:
+        def launch(server: Server) -> None:
             env = {**OFFLINE_ENV, **server.env,
                    "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-bench-{server.name}")}
             log_path = self.out / "logs" / f"{server.name}.log"
@@ -319,29 +318,22 @@ class Bench(BenchRecord):
                     env["OMP_NUM_THREADS"] = str(self.torch_threads)
                 if self.args.tiny:
                     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.args.kv_budget_gb)))
-                return start_vllm_server(self.kit, self.raw_args, log_path=log_path, served_model_name=SERVED_NAME,
-                                         ready_timeout_s=timeout, extra_env=env)
-            return start_service(self.settings, log_path=log_path, ready_timeout_s=timeout, extra_env=env)
+                proc, url = start_vllm_server(self.kit, self.raw_args, log_path=log_path, served_model_name=SERVED_NAME,
+                                              ready_timeout_s=timeout, extra_env=env)
+            else:
+                proc, url = start_service(self.settings, log_path=log_path, ready_timeout_s=timeout, extra_env=env)
+            self.procs[server.name], self.urls[server.name] = proc, url
+            self.results["servers"][server.name] = {"env": server.env, "ready_s": round(time.monotonic() - started, 1)}
+            if server.name != "raw":  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
+                self.results["servers"][server.name]["http_listener"] = port_holder(proc, urllib.parse.urlsplit(
+                    url).port)
+            self.log(f"{server.name} ready at {url}")
 
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
-            futures = {pool.submit(launch, s): s for s in self.servers}
-            failure = None
-            for future in concurrent.futures.as_completed(futures):
-                server = futures[future]
-                try:
-                    self.procs[server.name], self.urls[server.name] = future.result()
-                    self.results["servers"][server.name] = {"env": server.env,
-                                                            "ready_s": round(time.monotonic() - started, 1)}
-                    self.log(f"{server.name} ready at {self.urls[server.name]}")
-                except Exception as exc:
-                    failure = failure or exc
-        if failure is not None:
-            raise failure
-        for name, proc in self.procs.items():  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
-            if name != "raw":
-                self.results["servers"][name]["http_listener"] = port_holder(
-                    proc, urllib.parse.urlsplit(self.urls[name]).port)
+            futures = [pool.submit(launch, server) for server in self.servers]
+        for future in futures:  # once every server is up or failed: the first failure
+            future.result()
         self.results["startup_s"] = round(time.monotonic() - started, 1)
 
     def target(self, arm: str) -> run.Target:
@@ -474,9 +466,9 @@ def analyse(results: dict[str, Any], arms: list[str]) -> dict[str, Any]:
 
 
 def _references(arm: str) -> list[str]:
-    if arm == "raw":
-        return []
-    return ["raw", arm.removesuffix("-noconf")] if arm.endswith("-noconf") and arm != "raw-noconf" else ["raw"]
+    """raw for every other arm; a service's `-noconf` arm also that service with confidences."""
+    return [] if arm == "raw" else ["raw", arm.removesuffix("-noconf")] if arm.endswith("-noconf") and arm != (
+        "raw-noconf") else ["raw"]
 
 
 def breakdown(block: dict[str, Any]) -> str:

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -237,14 +238,13 @@ class Cluster:
             os.environ["RAY_AUTH_MODE"] = "token"
         from ray._private.services import get_node_ip_address
 
-        self.node_ip = get_node_ip_address()
-        self.out = out
-        self.port = free_port()
+        self.node_ip, self.out, self.port = get_node_ip_address(), out, free_port()
+        self.address = f"{self.node_ip}:{self.port}"
         self.temp_dir = tempfile.mkdtemp(prefix="ocr-scale-")  # short: Ray's socket paths have a length limit
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OCR_", "RAY_ADDRESS"))}
-        # (RAY_AUTH_MODE and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER set above: the nodes take them too)
-        env = with_repo_path({**env, **ray_node_env(), "RAY_USAGE_STATS_ENABLED": "0",
-                              "RAY_raylet_start_wait_time_s": "120"})  # a loaded 2-core machine starts a raylet slowly
+        # the nodes take RAY_AUTH_MODE and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (set above) too; a loaded 2-core machine
+        # starts a raylet slowly
+        env = with_repo_path({**{k: v for k, v in os.environ.items() if not k.startswith(("OCR_", "RAY_ADDRESS"))},
+                              **ray_node_env(), "RAY_USAGE_STATS_ENABLED": "0", "RAY_raylet_start_wait_time_s": "120"})
         if args.haproxy:  # the chart's HTTP front end, as `ocr-serve serve --engine vllm` runs it
             from service.serve.local import HAPROXY_BINARY_ENV, HAPROXY_PORT_ENV, haproxy_shim
 
@@ -267,18 +267,11 @@ class Cluster:
             self.stop()
             raise
 
-    def connect(self) -> None:
-        from service.serve import local
-
-        local.connect_ray(f"{self.node_ip}:{self.port}")
-
     def kill(self, name: str) -> None:
         node = next(n for n in self.nodes if n.name == name)
         for pid in [node.pid, *session_members(node.pid)]:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def stop(self) -> None:
         import shutil
@@ -418,6 +411,8 @@ class Bench(BenchRecord):
         self.kit: str | None = None
 
     def prepare(self) -> None:
+        from service.serve import local
+
         self.out.mkdir(parents=True, exist_ok=True)
         if not self.args.cpu:
             kit, self.results["model_kit"] = bench_kit(tiny=False)
@@ -427,7 +422,7 @@ class Bench(BenchRecord):
         self.target = run.OCRTarget()
         started = time.monotonic()
         self.cluster = Cluster(self.args, self.planned["gpus"], self.out)
-        self.cluster.connect()
+        local.connect_ray(self.cluster.address)
         self.results["cluster_s"] = round(time.monotonic() - started, 1)
         self.log(f"cluster of {len(self.cluster.nodes)} node(s) up in {self.results['cluster_s']}s")
 
