@@ -93,10 +93,8 @@ class OCRTarget:
     confidence: bool = True  # False: `confidence: false`, the engine computes no token logprobs
 
     def headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
+        return {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key
+                                                       else {})}
 
     def body(self, job: Job, document: GeneratedDocument) -> bytes:
         task = self.task_override or job.task
@@ -109,25 +107,21 @@ class OCRTarget:
             payload["confidence"] = False
         return json.dumps(payload).encode()
 
-    def check(self, status: int, payload: bytes) -> "Answer":
-        data = _json_object(payload)
-        if data is None:
+    def check(self, status: int, payload: bytes) -> Answer:
+        if (data := _json_object(payload)) is None:
             return Answer(False, f"http_{status}")
         if status == 200:
             timings = data.get("timings_ms") or {}
             return Answer(True, None, (data.get("usage") or {}).get("output_tokens"), timings.get("engine"),
                           {k: v for k, v in timings.items() if k in BREAKDOWN_STAGES}, timings.get("total"))
-        error = (data.get("error") or {}).get("code")
-        return Answer(False, error or f"http_{status}")
+        return Answer(False, (data.get("error") or {}).get("code") or f"http_{status}")
 
 
 @dataclass
 class OpenAIChatTarget:
-    """Raw vLLM OpenAI server: `/v1/chat/completions`, the image as an `image_url` data URL, then the prompt text.
-
-    `prompts` maps a task to the exact text the service sends; `fixed_output` asks vLLM for exactly max_tokens
-    tokens (`ignore_eos` + `min_tokens`, what the service's `bench_fixed_output_tokens` asks of its engine);
-    `logprobs` asks for the sampled tokens' logprobs, as the service's engine does for confidences."""
+    """Raw vLLM OpenAI server: `/v1/chat/completions`, the image as an `image_url` data URL, then the prompt text
+    (`prompts`: the exact text the service sends per task). `fixed_output`: exactly max_tokens tokens (`ignore_eos` +
+    `min_tokens`, as `bench_fixed_output_tokens`); `logprobs`: the sampled tokens' (the service's confidences)."""
 
     model: str
     prompts: dict[str, str]
@@ -141,15 +135,9 @@ class OpenAIChatTarget:
 
     def body(self, job: Job, document: GeneratedDocument) -> bytes:
         max_tokens = job.max_tokens or 1024
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": document.data_url()}},
-                {"type": "text", "text": self.prompts[job.task]},
-            ]}],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-        }
+        payload: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": document.data_url()}},
+                                         {"type": "text", "text": self.prompts[job.task]}]}]}
         if self.fixed_output:
             payload.update(ignore_eos=True, min_tokens=max_tokens)
         if self.logprobs:
@@ -158,9 +146,8 @@ class OpenAIChatTarget:
             payload["mm_processor_kwargs"] = self.mm_processor_kwargs
         return json.dumps(payload).encode()
 
-    def check(self, status: int, payload: bytes) -> "Answer":
-        data = _json_object(payload)
-        if status == 200 and data is not None:
+    def check(self, status: int, payload: bytes) -> Answer:
+        if status == 200 and (data := _json_object(payload)) is not None:
             return Answer(True, None, (data.get("usage") or {}).get("completion_tokens"))
         return Answer(False, f"http_{status}")
 
@@ -234,9 +221,7 @@ async def _send(session, url: str, target: Target, request: Request, t0: float, 
         async with session.post(url, data=request.body, headers=target.headers(),
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             payload = await resp.read()
-            status = resp.status
-        latency = time.perf_counter() - start
-        return Sample(start - t0, latency, status, *target.check(status, payload))
+        return Sample(start - t0, time.perf_counter() - start, resp.status, *target.check(resp.status, payload))
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # connection refused/reset, client timeout: an error of this request
@@ -281,11 +266,16 @@ async def run_closed(base_url: str, target: Target, requests: list[Request], con
         while pending and more_wanted():
             _, pending = await asyncio.wait(pending, timeout=0.5)
         result.duration_s = round(time.perf_counter() - t0, 3)
-        result.cancelled = len(pending)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await _cancel(result, pending)
     return result
+
+
+async def _cancel(result: StepResult, pending) -> None:
+    """Cancel the requests still in flight at a step's end (the server aborts them); counted, not errors."""
+    result.cancelled = len(pending)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def run_open(base_url: str, target: Target, requests: list[Request], rate: float, duration_s: float,
@@ -302,9 +292,7 @@ async def run_open(base_url: str, target: Target, requests: list[Request], rate:
 
     async with _session() as session:
         t0 = time.perf_counter()
-        deadline = t0 + duration_s
-        next_at = t0 + rng.expovariate(rate)
-        i = 0
+        deadline, next_at, i = t0 + duration_s, t0 + rng.expovariate(rate), 0
         while next_at < deadline:
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             if len(in_flight) >= max_in_flight:
@@ -316,11 +304,7 @@ async def run_open(base_url: str, target: Target, requests: list[Request], rate:
             i += 1
             next_at += rng.expovariate(rate)
         await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
-        pending = [t for t in in_flight if not t.done()]
-        result.cancelled = len(pending)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await _cancel(result, [t for t in in_flight if not t.done()])
     return result
 
 
