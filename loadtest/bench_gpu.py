@@ -35,9 +35,9 @@ from typing import Any
 
 from loadtest import run
 from loadtest.common import (OFFLINE_ENV, PRESETS, BenchRecord, bench_kit, cpu_percent, cpu_snapshot,
-                             environment_facts, fmt, md_table, median, new_results, parse_variants, port_holder,
-                             report_head, service_prompt, session_members, start_service, start_vllm_server,
-                             throughput)
+                             environment_facts, fmt, md_table, median, new_results, parse_variants, plan_text,
+                             port_holder, report_head, service_prompt, session_members, start_service,
+                             start_vllm_server, throughput)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 from loadtest.paired import Arm, interval_text, paired_summary, ratio_summary, run_paired
 
@@ -143,12 +143,6 @@ def plan(args: argparse.Namespace, facts: dict[str, Any]) -> dict[str, Any]:
     return {"servers": [s.name for s in server_list], "arms": arms, "startup_s": startup, "fixed_s": round(fixed),
             "round_s": round(round_s), "rounds": rounds, "total_s": round(total), "budget_s": budget,
             "memory_gib": memory, "steps": steps, "problems": problems, "fits": not problems}
-
-
-def plan_text(p: dict[str, Any]) -> str:
-    budget = f"{p['budget_s']:.0f}s budget" if p["budget_s"] is not None else "no budget"
-    verdict = "fits" if p["fits"] else "does not fit: " + "; ".join(p["problems"])
-    return "\n".join([f"plan ({budget}): estimated {p['total_s']}s, {verdict}", *(f"  {s}" for s in p["steps"])])
 
 
 # --- the servers' configuration: one source, the service's settings -----------------------------------------------

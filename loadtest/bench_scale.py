@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, bench_kit, cpu_snapshot, fmt, free_port,
-                             md_table, new_results, nvidia_smi, report_head, session_members, throughput,
+from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, bench_kit, cpu_seconds, cpu_snapshot, fmt,
+                             free_port, md_table, new_results, nvidia_smi, plan_text, report_head, session_members, throughput,
                              with_repo_path)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 
@@ -202,13 +202,6 @@ def plan(args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     return {"gpus": gpus, "replica_counts": counts, "workloads": workloads, "deployments": deployments,
             "steps": steps, "total_s": round(total), "budget_s": args.budget_s, "problems": problems,
             "fits": not problems}
-
-
-def plan_text(p: dict[str, Any]) -> str:
-    verdict = "fits" if p["fits"] else "does not fit: " + "; ".join(p["problems"])
-    budget = f"{p['budget_s']:.0f}s budget" if p["budget_s"] else "no budget"
-    return "\n".join([f"plan ({budget}, {p['gpus']} GPUs, replicas {p['replica_counts']}): estimated "
-                      f"{p['total_s']}s, {verdict}", *(f"  {s}" for s in p["steps"])])
 
 
 # --- the cluster ----------------------------------------------------------------------------------------------------
@@ -449,12 +442,10 @@ class Bench(BenchRecord):
         step = await run.run_closed(self.url, self.target, self.requests(workload), clients, whole, warmup,
                                     self.args.request_timeout_s, f"{workload}@{clients}")
         after = cpu_snapshot(ingress)
-        summary = step.summary(bound)
-        cpu_s = sum(t for _, t in after.ticks.values()) - sum(t for _, t in before.ticks.values())
-        answers = len(step.samples)
-        summary.update(clients=clients, clients_per_replica=per_replica, bound_ms=bound,
-                       ingress_cpu_ms_per_request=round(cpu_s / os.sysconf("SC_CLK_TCK") * 1000 / answers, 2)
-                       if answers else None, outcomes=outcomes(step.samples))
+        cpu_s = sum(cpu_seconds(before, after).values())
+        summary = {**step.summary(bound), "clients": clients, "clients_per_replica": per_replica, "bound_ms": bound,
+                   "ingress_cpu_ms_per_request": round(cpu_s * 1000 / len(step.samples), 2) if step.samples else None,
+                   "outcomes": outcomes(step.samples)}
         run.print_step(summary)
         await asyncio.sleep(self.args.cooldown_s)
         return summary
@@ -482,28 +473,25 @@ class Bench(BenchRecord):
         workload = self.planned["workloads"][0]
         before = placement()
         names = node_names()
-        victim = next(names[a["node"]] for a in actors(ENGINE_DEPLOYMENT) if names.get(a["node"], "").startswith(
+        victim = next(name for a in actors(ENGINE_DEPLOYMENT) if (name := names.get(a["node"], "")).startswith(
             "worker_node_"))
         load = StepLoad(self.url, self.target, self.requests(workload), self.args.request_timeout_s)
         ticks: list[dict[str, Any]] = []
+        back = None
         async with run._session() as session:
             load.set_clients(most * levels(self.args.levels[workload])[0], session)
             await asyncio.sleep(self.args.before_kill_s)
             killed_at = load.now()
             self.cluster.kill(victim)
             self.log(f"killed {victim} under load")
-            back = None
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
+            while back is None and time.monotonic() < deadline:
                 states = await asyncio.to_thread(replica_states)
-                where = await asyncio.to_thread(placement)
-                ticks.append({"t": round(load.now(), 2), "replicas": states, "per_node": where[
-                    "engine_replicas_per_node"]})
-                if (states.get("RUNNING", 0) == most and sum(states.values()) == most
-                        and victim not in where["engine_replicas_per_node"]
-                        and "dead node" not in where["engine_replicas_per_node"]):
+                per_node = (await asyncio.to_thread(placement))["engine_replicas_per_node"]
+                ticks.append({"t": round(load.now(), 2), "replicas": states, "per_node": per_node})
+                if states.get("RUNNING", 0) == most == sum(states.values()) and not {victim, "dead node"} & set(
+                        per_node):
                     back = round(load.now() - killed_at, 2)
-                    break
                 await asyncio.sleep(0.5)
             await asyncio.sleep(self.args.after_kill_s)
             await load.finish()
@@ -725,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         planned = plan(args, gpus)
     except ValueError as exc:
         parser().error(str(exc))
-    print(plan_text(planned), flush=True)
+    print(plan_text(planned, f", {gpus} GPUs, replicas {planned['replica_counts']}"), flush=True)
     if args.plan_only or not planned["fits"]:
         return 0 if planned["fits"] else 2
     bench = Bench(args, planned)

@@ -430,6 +430,13 @@ def load_average() -> list[float]:
     return [round(x, 1) for x in os.getloadavg()]
 
 
+def plan_text(p: dict[str, Any], about: str = "") -> str:
+    """A benchmark's plan as printed: its budget, estimated time and verdict, then every step."""
+    budget = f"{p['budget_s']:.0f}s budget" if p["budget_s"] else "no budget"
+    verdict = "fits" if p["fits"] else "does not fit: " + "; ".join(p["problems"])
+    return "\n".join([f"plan ({budget}{about}): estimated {p['total_s']}s, {verdict}", *(f"  {s}" for s in p["steps"])])
+
+
 def save_results(results: dict[str, Any], out: Path) -> None:
     results["load_average_end"] = load_average()
     out.mkdir(parents=True, exist_ok=True)
