@@ -30,8 +30,8 @@ from typing import Any
 
 from loadtest import run
 from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, bench_kit, cpu_seconds, cpu_snapshot, fmt,
-                             free_port, md_table, new_results, nvidia_smi, plan_text, report_head, session_members, throughput,
-                             with_repo_path)
+                             free_port, md_table, new_results, nvidia_smi, plan_text, report_head, session_members,
+                             throughput, with_repo_path)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 
 # ID card ≤ 500 ms, A4 page ≤ 3 s p95 (docs/BENCHMARKS.md G1, G2); client levels per replica around one engine's
