@@ -11,7 +11,6 @@ Writes OUT/results.json and OUT/report.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import json
 import os
@@ -22,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import (bench_kit, load_average, md_table, new_results, report_head, run_parts, save_results,
-                             throughput)
+from loadtest.common import (bench_kit, embedded_ocr, load_average, md_table, new_results, report_head, run_parts,
+                             save_results, throughput)
 from loadtest.documents import make_documents
 
 GOAL_CPU = 0.9
@@ -45,21 +44,10 @@ def write_pages(folder: Path, a4: int, id_cards: int) -> list[Path]:
 
 def direct_loop(paths: list[Path]) -> dict[str, Any]:
     """A plain single-process loop calling rapidocr: the baseline a user would write."""
-    import numpy as np
-    from PIL import Image
-
-    from service.config import Settings
-    from service.engine import make_engine
-
     started = time.perf_counter()
-    engine = make_engine(Settings(engine="embedded"))
-    asyncio.run(engine.start())
-    ocr = engine._ocr  # the RapidOCR object exactly as the engine configures it
+    _, ocr = embedded_ocr()
     loaded = time.perf_counter()
-    lines = 0
-    for path in paths:
-        result = ocr(np.array(Image.open(io.BytesIO(path.read_bytes())).convert("RGB")))
-        lines += len(result.txts or ())
+    lines = sum(len(ocr(path.read_bytes()).txts or ()) for path in paths)
     wall = time.perf_counter() - loaded
     return {"pages": len(paths), "wall_s": round(wall, 3), "pages_per_s": round(len(paths) / wall, 4),
             "model_load_s": round(loaded - started, 3), "lines": lines}

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from loadtest import run
-from loadtest.common import (PRESETS, load_average, md_table, new_results, parse_variants, port_holder, report_head,
+from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, new_results, parse_variants, port_holder, report_head,
                              run_parts, start_service)
 from loadtest.documents import GeneratedDocument, make_documents
 from loadtest.paired import interval_text, ratio_summary
@@ -32,8 +32,7 @@ from loadtest.paired import interval_text, ratio_summary
 PARTS = ("embedded", "overhead")
 GOAL_RATIO = 1.1  # issue 50: the embedded engine per request within 1.1× of rapidocr called directly
 # every client is the one (anonymous) tenant: neither its bucket nor its concurrency cap is what is measured
-SERVICE = {"rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
-           "log_level": "WARNING"}
+SERVICE = {"rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5, "log_level": "WARNING"}
 
 
 def upload_body(data: bytes, mime: str) -> bytes:
@@ -72,23 +71,15 @@ def jpeg(png: bytes) -> bytes:
 # --- embedded engine vs rapidocr called directly ---------------------------------------------------------------------
 
 def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s: float) -> dict[str, Any]:
-    import numpy as np
-    from PIL import Image
-
-    from service.engine import make_engine
-    from service.config import Settings
-
     documents = make_documents("a4", docs) + make_documents("id_card", docs)
     uploads = [(doc, fmt, data, mime) for doc in documents
                for fmt, data, mime in (("jpeg", jpeg(doc.png), "image/jpeg"), ("png", doc.png, "image/png"))]
     bodies = {id(data): upload_body(data, mime) for _, _, data, mime in uploads}
-    engine = make_engine(Settings(engine="embedded"))
-    asyncio.run(engine.start())
-    ocr = engine._ocr  # the RapidOCR object exactly as the engine configured it
+    engine, ocr = embedded_ocr()
 
     def direct(data: bytes) -> dict[str, float]:
         started = time.perf_counter()
-        ocr(np.array(Image.open(io.BytesIO(data)).convert("RGB")))
+        ocr(data)
         return {"latency_ms": (time.perf_counter() - started) * 1000}
 
     proc, url = start_service({**SERVICE, "engine": "embedded"}, log_path=out / "logs" / "service-embedded.log")
@@ -99,12 +90,12 @@ def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s:
             api(data)
         pairs: dict[str, list[tuple[dict, dict]]] = {"jpeg": [], "png": []}
         for r in range(pair_rounds):
-            for i, (doc, fmt, data, _) in enumerate(uploads):
+            for i, (doc, kind, data, _) in enumerate(uploads):
                 if (r + i) % 2:
                     a, d = api(data), direct(data)
                 else:
                     d, a = direct(data), api(data)
-                pairs[fmt].append((d, a))
+                pairs[kind].append((d, a))
         blocks = embedded_blocks(url, documents, direct, api, rounds, block_s)
     finally:
         proc.stop(timeout_s=30)
@@ -180,27 +171,25 @@ def bench_overhead(out: Path, requests: int, rounds: int, variants: dict[str, di
         for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
             proc, url = start_service({**SERVICE, "engine": "mock"}, extra_env=modes[mode],
                                       log_path=out / "logs" / f"service-mock-{mode}-{r}.log")
-            try:
+            with proc:
                 listeners[mode].append(port_holder(proc, int(url.rsplit(":", 1)[1])))
                 for name, body in bodies.items():
                     post_sequential(url, body, 3)
                     samples[mode][name] += post_sequential(url, body, requests)
-            finally:
-                proc.stop(timeout_s=30)
     result: dict[str, Any] = {"requests_per_payload": requests * rounds, "rounds": rounds, "variants": variants,
                               "http_listener": listeners, "payloads": {}}
     for name, doc in documents.items():
         row = {"body_kib": len(bodies[name]) // 1024}
         for mode in modes:
             rows = samples[mode][name]
-            row[mode] = {"client_p50_ms": p50([s["latency_ms"] for s in rows]),
+            rows_p50 = p50([s["latency_ms"] for s in rows])
+            row[mode] = {"client_p50_ms": rows_p50,
                          "client_p95_ms": round(run.percentile([s["latency_ms"] for s in rows], 95), 2),
                          "ingress_p50_ms": p50([s["server_total_ms"] for s in rows]),
                          "ingress_decode_p50_ms": p50([s["server_decode_ms"] for s in rows]),
                          "outside_ingress_p50_ms": p50([s["latency_ms"] - s["server_total_ms"] for s in rows])}
             if mode != "default":
-                row[mode]["client_p50_saved_ms"] = round(row["default"]["client_p50_ms"] - row[mode]["client_p50_ms"],
-                                                         2)
+                row[mode]["client_p50_saved_ms"] = round(row["default"]["client_p50_ms"] - rows_p50, 2)
             print(f"  overhead {name:<18} {mode:<10} client p50 {row[mode]['client_p50_ms']:7.1f} ms, ingress p50 "
                   f"{row[mode]['ingress_p50_ms']:.1f} ms", flush=True)
         result["payloads"][name] = row

@@ -511,16 +511,15 @@ class Bench(BenchRecord):
         ticks: list[dict[str, Any]] = []
         marks: dict[str, float] = {}
 
-        async def watch(until: asyncio.Event) -> None:
-            while not until.is_set():
+        async def watch() -> None:
+            while True:
                 states = await asyncio.to_thread(replica_states)
                 ticks.append({"t": round(load.now(), 2), "clients": load.wanted, "running": states.get("RUNNING", 0),
                               "replicas": states})
                 await asyncio.sleep(self.args.tick_s)
 
-        done = asyncio.Event()
         async with run._session() as session:
-            watcher = asyncio.create_task(watch(done))
+            watcher = asyncio.create_task(watch())
             for name, clients, seconds in phases:
                 marks[name] = round(load.now(), 2)
                 self.log(f"step load {name}: {clients} clients for {seconds:g}s")
@@ -532,8 +531,7 @@ class Bench(BenchRecord):
             while time.monotonic() < settle_end and (await asyncio.to_thread(replica_states)).get("RUNNING", 0) != 1:
                 await asyncio.sleep(0.5)
             await load.finish()
-            done.set()
-            await watcher
+            watcher.cancel()
         rows = timeline(load.samples, ticks, self.args.tick_s)
         up_at = next((r["t"] for r in rows if r["t"] >= marks["up"] and r["running"] >= most), None)
         down_at = next((r["t"] for r in rows if r["t"] >= marks["down"] and r["running"] == 1), None)

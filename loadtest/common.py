@@ -420,6 +420,23 @@ def bench_kit(tiny: bool) -> tuple[Path, dict[str, Any]]:
     return kit, write_kit(kit, tiny=tiny, weights=tiny)
 
 
+def embedded_ocr() -> tuple[Any, Any]:
+    """The embedded engine, started, and the RapidOCR object it built (same models, same threads): rapidocr "called
+    directly" in the CPU benchmarks. `ocr(image bytes)` decodes and reads one image."""
+    import asyncio
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from service.config import Settings
+    from service.engine import make_engine
+
+    engine = make_engine(Settings(engine="embedded"))
+    asyncio.run(engine.start())
+    return engine, lambda data: engine._ocr(np.array(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
 def new_results(command: str, argv: list[str], environment: dict[str, Any] | None = None, **fields: Any) -> dict:
     """The start of a results.json: date, the command as run, the machine (`environment_facts`), then `fields`."""
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": f"python -m loadtest {command} " +
