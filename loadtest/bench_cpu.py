@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from loadtest import run
-from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, new_results, parse_variants, port_holder, report_head,
-                             run_parts, start_service)
+from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, new_results, parse_variants, port_holder,
+                             report_head, run_parts, start_service)
 from loadtest.documents import GeneratedDocument, make_documents
 from loadtest.paired import interval_text, ratio_summary
 
