@@ -421,26 +421,21 @@ def analyse(results: dict[str, Any], arms: list[str]) -> dict[str, Any]:
     within +10 ms of raw's)."""
     out: dict[str, Any] = {}
     for name, w in results["workloads"].items():
-        levels = {}
+        levels: dict[str, dict[str, Any]] = {}
         for level, by_arm in w["blocks"].items():
-            row: dict[str, Any] = {}
+            row = levels[level] = {}
             for arm in arms:
                 blocks = by_arm.get(arm, [])
                 row[arm] = {"docs_per_s": median([throughput(b) for b in blocks]),
-                            "p50_ms": median([b["latency_ms_p50"] for b in blocks]),
-                            "p95_ms": median([b["latency_ms_p95"] for b in blocks]),
+                            **{f"{k}_ms": median([b[f"latency_ms_{k}"] for b in blocks]) for k in ("p50", "p95")},
                             "errors": sum(b["errors"] for b in blocks), "blocks": len(blocks)}
                 for reference in _references(arm):
                     by_round = {b["round"]: throughput(b) for b in by_arm.get(reference, [])}
-                    ratios = [(throughput(b) or 0.0) / by_round[b["round"]] for b in blocks
-                              if by_round.get(b["round"])]
-                    row[arm][f"vs_{reference}"] = ratio_summary(ratios)
-            levels[level] = row
+                    row[arm][f"vs_{reference}"] = ratio_summary([(throughput(b) or 0.0) / by_round[b["round"]]
+                                                                 for b in blocks if by_round.get(b["round"])])
         goals = {}
         one = (w.get("one_client") or {}).get("against_reference", {})
-        for arm in arms:
-            if not arm.startswith("service") or arm.endswith("-noconf"):
-                continue
+        for arm in (a for a in arms if a.startswith("service") and not a.endswith("-noconf")):
             ratios = {level: row[arm]["vs_raw"]["median"] for level, row in levels.items()}
             if arm in one:
                 ratios["1"] = one[arm]["docs_per_s_ratio"]

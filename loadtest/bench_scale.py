@@ -635,8 +635,7 @@ PARTS = ("sweep", "nodekill", "autoscale")
 # (option, type, default on a GPU machine, default with --cpu, help)
 OPTIONS = [
     ("--parts", str, "sweep", ",".join(PARTS), f"comma-separated, of {', '.join(PARTS)}"),
-    ("--replicas", str, None, "1,2", "engine replica counts (GPU: 1, 2, 4 … N and N, N = the GPUs; --cpu: 1,2, one "
-     "per worker node, the others' GPUs free for the node kill)"),
+    ("--replicas", str, None, "1,2", "engine replica counts (GPU: 1, 2, 4 … N and N, N = the GPUs; --cpu 1,2)"),
     ("--gpus", int, None, None, "GPUs of this machine (default: nvidia-smi's count)"),
     ("--workloads", str, "id_card,a4", "id_card", "id_card,a4"),
     ("--id-levels", str, "8,12,16,24", "8", "ID-card clients per engine replica"),
@@ -655,31 +654,27 @@ OPTIONS = [
     ("--step-clients", int, None, None, "autoscale: clients per replica's load (default: the workload's first level)"),
     ("--step-base-s", float, 30.0, 5.0, "autoscale: seconds at one replica's load"),
     ("--step-up-s", float, 200.0, 14.0, "autoscale: seconds at N replicas' load (GPU: 60 + one engine start)"),
-    ("--step-down-s", float, 100.0, 6.0, "autoscale: seconds at one replica's load after the step (GPU: the "
-     "product's 60 s downscale delay and 30 s look-back)"),
+    ("--step-down-s", float, 100.0, 6.0, "autoscale: seconds at one replica's load after the step"),
     ("--settle-s", float, 60.0, 10.0, "autoscale: at most this long more at one replica's load until one is left"),
     ("--tick-s", float, 1.0, 1.0, "autoscale: seconds between the timeline's samples"),
     ("--before-kill-s", float, 3.0, 3.0, "nodekill: load before the kill"),
     ("--after-kill-s", float, 3.0, 3.0, "nodekill: load after the replicas are back"),
     ("--docs", int, 4, 4, "different documents per workload"),
     ("--request-timeout-s", float, 300.0, 300.0, "client timeout per request"),
-    ("--budget-s", float, 540.0, None, "the whole run, seconds (GPU: a device call's 600 less a margin; --cpu or 0: "
-     "none)"),
+    ("--budget-s", float, 540.0, None, "the whole run, seconds (--cpu or 0: none)"),
 ]
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest bench scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it does not "
-                   "fit --budget-s)")
-    p.add_argument("--cpu", action="store_true", help="CPU: worker nodes declaring GPUs, the mock engine timed like "
-                   "an H200's vLLM engine")
+    p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it won't fit)")
+    p.add_argument("--cpu", action="store_true", help="worker nodes declaring GPUs, the mock engine timed like a GPU's")
     for flag, kind, gpu, cpu, text in OPTIONS:
         defaults = f" (default {gpu}" + (f"; --cpu {cpu}" if cpu not in (gpu, None) else "") + ")"
         p.add_argument(flag, type=kind, default=None, help=text + (defaults if gpu is not None else ""))
     p.add_argument("--haproxy", action=argparse.BooleanOptionalAction, default=None, help="HAProxy as the HTTP "
-                   "front end, the chart's (default on; --cpu off: Serve's proxy actor)")
+                   "front end (default on; --cpu off: Serve's proxy actor)")
     p.add_argument("--autoscale-workload", default="id_card", choices=list(WORKLOADS))
     p.add_argument("--out", type=Path, default=Path("results/scale"))
     return p

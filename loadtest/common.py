@@ -512,8 +512,8 @@ def throughput(block: dict[str, Any]) -> float | None:
 
 class BenchRecord:
     """A benchmark run's log lines (seconds since its start) and its results.json, rewritten as the run goes so that a
-    run cut short still leaves what it measured. Subclasses set `started`, `out` and `results` and define `stop` and
-    `finish`."""
+    run cut short still leaves what it measured. Subclasses set `started`, `out` and `results`, and define `stop()`
+    (the servers) and `finish()` (the report)."""
 
     started: float
     out: Path
@@ -542,7 +542,3 @@ class BenchRecord:
             self.stop()
             self.finish()
         return not self.results["errors"]
-
-    def stop(self) -> None: ...
-
-    def finish(self) -> None: ...
