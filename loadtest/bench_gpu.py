@@ -549,21 +549,17 @@ def parser() -> argparse.ArgumentParser:
                    help=f"another service server with these environment variables; presets {', '.join(PRESETS)}")
     p.add_argument("--confidence-cost", action="store_true", help="also raw-noconf and service-noconf (no logprobs)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
-                   help="a vLLM engine argument for every server (added to the service's engine_kwargs), e.g. "
-                   "max_num_batched_tokens=16384")
+                   help="a vLLM engine argument for every server (into the service's engine_kwargs)")
     p.add_argument("--rounds", type=int, default=0, help=f"sweep rounds (0: as many as fit, {MIN_ROUNDS}-{MAX_ROUNDS})")
-    p.add_argument("--pair-s", type=float, default=None, help="paired one-client seconds per workload (default 30; "
-                   "tiny 10)")
-    p.add_argument("--block-s", type=float, default=None, help="shortest measured window of a block (default 6; "
-                   "tiny 3)")
+    p.add_argument("--pair-s", type=float, default=None, help="paired one-client seconds (default 30; tiny 10)")
+    p.add_argument("--block-s", type=float, default=None, help="shortest measured block window (default 6; tiny 3)")
     p.add_argument("--warmup-s", type=float, default=2.0, help="shortest unmeasured start of a block")
     p.add_argument("--cooldown-s", type=float, default=1.0, help="pause after each block")
     p.add_argument("--docs", type=int, default=8, help="different documents per workload")
     p.add_argument("--startup-s", type=float, default=None, help="the planner's start-up time of the servers "
                    f"(default {COLD_START_S:g}s cold + {BESIDE_S:g}s per server beside the first; tiny "
                    f"{TINY_START_S:g}s)")
-    p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540: a device "
-                   "call's 600 less a margin; tiny: none; 0: none)")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540; tiny or 0: none)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
     return p
