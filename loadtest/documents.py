@@ -1,10 +1,7 @@
-"""Generated test documents for load tests and benchmarks: ID cards with known fields, A4 pages with a chosen amount
-of text. Deterministic for a seed, rendered with PIL and the Debian fonts (fonts-wqy-microhei for CJK + Latin,
-fonts-dejavu-core); where neither is installed (the bare GPU machine) PIL's built-in font is used, which changes
-the glyphs but not the image size, and image size alone sets a VLM's token count.
-
-Sizes follow the benchmark workloads: an ID card is 1000×630 px, an A4 page 1240×1754 px (150 dpi). A "medium"
-document is ~500 characters per page (the seed's unit of "documents/s").
+"""Generated test documents for load tests and benchmarks: ID cards (1000×630 px) with known fields and A4 pages
+(1240×1754 px, 150 dpi) with a chosen amount of text, ~500 characters for a "medium" one. Deterministic for a seed,
+drawn with the Debian fonts (fonts-wqy-microhei for CJK + Latin, fonts-dejavu-core) or, without them, PIL's built-in
+font: other glyphs, the same image size, and image size alone sets a VLM's token count.
 """
 
 from __future__ import annotations
@@ -54,10 +51,7 @@ _CITIES = ("Shenzhen", "Berlin", "Lyon", "Osaka", "Toronto", "北京市", "上�
 @lru_cache(maxsize=1)
 def font_file() -> str | None:
     """Path of the first installed Debian font, or None (PIL's built-in font is used then)."""
-    for candidate in FONT_CANDIDATES:
-        if Path(candidate).exists():
-            return candidate
-    return None
+    return next((candidate for candidate in FONT_CANDIDATES if Path(candidate).exists()), None)
 
 
 @lru_cache(maxsize=32)
@@ -91,11 +85,8 @@ class GeneratedDocument:
     def chars(self) -> int:
         return sum(1 for c in self.text if not c.isspace())
 
-    def b64(self) -> str:
-        return base64.b64encode(self.png).decode()
-
     def data_url(self) -> str:
-        return "data:image/png;base64," + self.b64()
+        return "data:image/png;base64," + base64.b64encode(self.png).decode()
 
 
 def _png(image: Image.Image) -> bytes:
@@ -111,8 +102,7 @@ def _words(rng: random.Random, chars: int, lang: Language) -> list[str]:
         lang = "en"  # no CJK glyphs without wqy-microhei: keep the text renderable
     out, total = [], 0
     while total < chars:
-        use_zh = lang == "zh" or (lang == "mixed" and rng.random() < 0.35)
-        if use_zh:
+        if lang == "zh" or (lang == "mixed" and rng.random() < 0.35):
             token = "".join(rng.choice(_ZH_CHARS) for _ in range(rng.randint(2, 4)))
         elif rng.random() < 0.12:
             token = (f"{rng.randint(1, 99999):,}" if rng.random() < 0.5
@@ -140,20 +130,18 @@ def _wrap(draw: ImageDraw.ImageDraw, words: list[str], font, max_width: int) -> 
     return lines
 
 
-def render_a4(chars: int = MEDIUM_CHARS, *, seed: int = 0, lang: Language = "mixed",
-              size: tuple[int, int] = A4_SIZE, font_size: int | None = None) -> GeneratedDocument:
+def render_a4(chars: int = MEDIUM_CHARS, *, seed: int = 0, lang: Language = "mixed") -> GeneratedDocument:
     """A page with a title and paragraphs totalling about `chars` characters (more text → smaller font, to fit)."""
     rng = random.Random(f"a4-{seed}-{chars}-{lang}")
-    width, height = size
+    width, height = A4_SIZE
     margin = max(24, width // 12)
-    if font_size is None:
-        # ~500 chars at 30 px fills a third of an A4 page at 150 dpi; dense pages shrink towards 14 px
-        font_size = int(max(14, min(30, 30 * (2500 / max(chars, 1)) ** 0.5 / 2.2)))
-    image = Image.new("RGB", size, "white")
+    # ~500 chars at 30 px fills a third of an A4 page at 150 dpi; dense pages shrink towards 14 px
+    font_size = int(max(14, min(30, 30 * (2500 / max(chars, 1)) ** 0.5 / 2.2)))
+    image = Image.new("RGB", A4_SIZE, "white")
     draw = ImageDraw.Draw(image)
-    title_font, body_font = load_font(int(font_size * 1.5)), load_font(font_size)
+    body_font = load_font(font_size)
     title = f"Statement {rng.randint(10000, 99999)}"
-    draw.text((margin, margin), title, font=title_font, fill="black")
+    draw.text((margin, margin), title, font=load_font(int(font_size * 1.5)), fill="black")
     rendered = [title]
     y = margin + int(font_size * 3)
     line_gap = int(font_size * 1.5)
@@ -178,52 +166,42 @@ def id_card_fields(seed: int, lang: Language = "mixed") -> dict[str, str]:
     rng = random.Random(f"id-fields-{seed}")
     cjk = lang != "en" and _can_render_cjk() and rng.random() < (1.0 if lang == "zh" else 0.4)
     name = rng.choice(_ZH_NAMES) if cjk else f"{rng.choice(_GIVEN)} {rng.choice(_FAMILY)}"
-    streets = _STREETS if _can_render_cjk() and lang != "en" else _STREETS[:5]
-    cities = _CITIES if _can_render_cjk() and lang != "en" else _CITIES[:5]
+    places = None if _can_render_cjk() and lang != "en" else 5  # the CJK street and city names last
     year, month, day = rng.randint(1950, 2005), rng.randint(1, 12), rng.randint(1, 28)
-    return {
-        "name": name,
-        "id_number": "".join(str(rng.randint(0, 9)) for _ in range(17)) + rng.choice("0123456789X"),
-        "date_of_birth": f"{year:04d}-{month:02d}-{day:02d}",
-        "address": f"{rng.randint(1, 300)} {rng.choice(streets)}, {rng.choice(cities)}",
-        "expiry_date": f"{rng.randint(2027, 2040):04d}-{month:02d}-{day:02d}",
-    }
+    return {"name": name, "id_number": "".join(str(rng.randint(0, 9)) for _ in range(17)) + rng.choice("0123456789X"),
+            "date_of_birth": f"{year:04d}-{month:02d}-{day:02d}",
+            "address": f"{rng.randint(1, 300)} {rng.choice(_STREETS[:places])}, {rng.choice(_CITIES[:places])}",
+            "expiry_date": f"{rng.randint(2027, 2040):04d}-{month:02d}-{day:02d}"}
 
 
-def render_id_card(*, seed: int = 0, lang: Language = "mixed",
-                   size: tuple[int, int] = ID_CARD_SIZE) -> GeneratedDocument:
+def render_id_card(*, seed: int = 0, lang: Language = "mixed") -> GeneratedDocument:
     """A card with a header, a photo box and labelled fields (the values are returned as `fields`)."""
-    width, height = size
+    width, height = ID_CARD_SIZE
     values = id_card_fields(seed, lang)
-    image = Image.new("RGB", size, (226, 236, 246))
+    image = Image.new("RGB", ID_CARD_SIZE, (226, 236, 246))
     draw = ImageDraw.Draw(image)
-    s = width / 1000  # layout is designed at 1000 px wide
-    draw.rounded_rectangle((int(10 * s), int(10 * s), width - int(10 * s), height - int(10 * s)),
-                           radius=int(30 * s), outline=(70, 100, 150), width=max(1, int(4 * s)))
+    draw.rounded_rectangle((10, 10, width - 10, height - 10), radius=30, outline=(70, 100, 150), width=4)
     header = "IDENTITY CARD 居民身份证" if _can_render_cjk() else "IDENTITY CARD"
-    draw.text((int(40 * s), int(30 * s)), header, font=load_font(int(44 * s)), fill=(30, 50, 110))
-    draw.rectangle((int(700 * s), int(130 * s), int(940 * s), int(430 * s)), fill=(190, 200, 215),
-                   outline=(90, 100, 120), width=max(1, int(2 * s)))
-    label_font, value_font = load_font(int(26 * s)), load_font(int(36 * s))
+    draw.text((40, 30), header, font=load_font(44), fill=(30, 50, 110))
+    draw.rectangle((700, 130, 940, 430), fill=(190, 200, 215), outline=(90, 100, 120), width=2)
+    label_font, value_font = load_font(26), load_font(36)
     labels = {"name": "Name", "id_number": "ID No.", "date_of_birth": "Date of birth", "address": "Address",
               "expiry_date": "Valid until"}
     rendered = [header]
-    y = int(130 * s)
-    for name in ID_CARD_FIELDS:
-        draw.text((int(40 * s), y), labels[name], font=label_font, fill=(90, 90, 90))
-        draw.text((int(40 * s), y + int(30 * s)), values[name], font=value_font, fill="black")
+    for i, name in enumerate(ID_CARD_FIELDS):
+        draw.text((40, 130 + 90 * i), labels[name], font=label_font, fill=(90, 90, 90))
+        draw.text((40, 160 + 90 * i), values[name], font=value_font, fill="black")
         rendered += [labels[name], values[name]]
-        y += int(90 * s)
     return GeneratedDocument("id_card", width, height, _png(image), "\n".join(rendered), dict(values), seed)
 
 
-def make_documents(kind: DocumentKind, count: int = 4, *, chars: int = MEDIUM_CHARS, lang: Language = "mixed",
-                   size: tuple[int, int] | None = None, first_seed: int = 0) -> list[GeneratedDocument]:
+def make_documents(kind: DocumentKind, count: int = 4, *, chars: int = MEDIUM_CHARS,
+                   lang: Language = "mixed") -> list[GeneratedDocument]:
     """`count` different documents of one kind (different text, same size: same token cost for a VLM)."""
     if kind == "id_card":
-        return [render_id_card(seed=first_seed + i, lang=lang, size=size or ID_CARD_SIZE) for i in range(count)]
+        return [render_id_card(seed=i, lang=lang) for i in range(count)]
     if kind == "a4":
-        return [render_a4(chars, seed=first_seed + i, lang=lang, size=size or A4_SIZE) for i in range(count)]
+        return [render_a4(chars, seed=i, lang=lang) for i in range(count)]
     raise ValueError(f"unknown document kind {kind!r} (id_card | a4)")
 
 

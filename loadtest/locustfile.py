@@ -12,8 +12,7 @@ Environment (all optional):
     OCR_LOADTEST_DOCS      different documents per kind (default 4)
     OCR_LOADTEST_WAIT_S    think time between a user's requests, seconds (default 0: closed loop)
 
-Requests are named `/v1/ocr [kind task]` so Locust's statistics separate the workloads; 429 answers are failures
-named `rate_limited` (Retry-After is not honoured: a load test measures the limiter, it does not obey it).
+Requests are named `/v1/ocr [kind task]`; 429 answers are failures named `rate_limited` (Retry-After not honoured).
 """
 
 from __future__ import annotations
@@ -52,9 +51,8 @@ def _bodies(host: str) -> dict[Job, list[tuple[str, bytes]]]:
 
 @events.test_stop.add_listener
 def _let_the_csv_writer_see_the_last_answers(environment, **_kwargs) -> None:
-    """Locust rewrites its `--csv` files once a second and not again on the way out, so answers that arrive during
-    `--stop-timeout` (every request in flight at `--run-time`: OCR requests last seconds) reached the printed summary
-    but not the CSV. test_stop fires once every user has stopped; one more writer tick puts them in."""
+    """Locust rewrites its `--csv` files once a second, not on the way out: answers arriving during `--stop-timeout`
+    would miss the CSV. test_stop fires once every user has stopped; one more writer tick puts them in."""
     if getattr(environment.parsed_options, "csv_prefix", None):
         gevent.sleep(stats.CSV_STATS_INTERVAL_SEC + 0.25)
 
@@ -66,10 +64,7 @@ class OCRUser(HttpUser):
         self.bodies = _bodies(self.host)
         self.schedule = [job for job in self.bodies for _ in range(job.weight)]
         self.turn = 0
-        key = _env("API_KEY", "")
-        self.headers = {"Content-Type": "application/json"}
-        if key:
-            self.headers["Authorization"] = f"Bearer {key}"
+        self.headers = OCRTarget(api_key=_env("API_KEY", "") or None).headers()
 
     @task
     def post_document(self) -> None:

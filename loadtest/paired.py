@@ -1,11 +1,7 @@
 """Paired comparisons: the same work sent to several servers (arms) in alternation, so that a drift of the machine
 (another tenant, clocks, caches) hits every arm alike and each round's difference keeps what the servers themselves
-cost. Servers measured one after another drift apart by more than the few milliseconds a serving layer adds.
-
-- `run_paired`: one request in flight at a time; each round sends the same document to every arm, in a new random
-  order. `paired_summary` gives each arm's latency and, against the first arm, the per-round difference and the
-  throughput ratio at one client (mean latency ÷ mean latency), with bootstrap 95 % intervals over the rounds.
-- `ratio_summary`: per-round ratios (e.g. docs/s of alternating closed-loop blocks) as a median with its interval.
+cost. `run_paired` sends each round's document to every arm, one request at a time, in a new random order;
+`paired_summary` and `ratio_summary` give medians with bootstrap 95 % intervals over the rounds.
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ RESAMPLES = 2000
 
 @dataclass
 class Arm:
-    """One side of a paired comparison: a name, a server's URL, its client and ready requests (the same documents
-    in the same order as every other arm's)."""
+    """One side of a paired comparison: a server's URL, its client and its requests (the same documents in the same
+    order as every other arm's)."""
 
     name: str
     base_url: str
@@ -35,9 +31,7 @@ class Arm:
 
 async def run_paired(arms: list[Arm], duration_s: float, timeout_s: float = 900.0, seed: int = 0,
                      max_rounds: int | None = None) -> list[dict[str, Sample]]:
-    """Rounds until `duration_s` (or `max_rounds`): each sends the same document to every arm, one request at a
-    time, in a new random order; a keep-alive connection per arm, as a client pool keeps. Returns the rounds, each
-    {arm name: sample}."""
+    """Rounds until `duration_s` (or `max_rounds`), each {arm name: sample}; a keep-alive connection per arm."""
     rng = random.Random(seed)
     sessions = {arm.name: _session() for arm in arms}
     order = list(arms)
@@ -72,8 +66,8 @@ def _ci(resampled: np.ndarray, digits: int) -> list[float | None]:
 
 
 def ratio_summary(ratios: Sequence[float], seed: int = 0, digits: int = 3) -> dict[str, Any]:
-    """Per-round ratios: their median, mean and the bootstrap 95 % interval of the median (with two rounds that is
-    their range; more rounds narrow it)."""
+    """Per-round ratios (e.g. docs/s of alternating blocks): their median, mean and the bootstrap 95 % interval of
+    the median."""
     values = np.asarray([r for r in ratios if r is not None and np.isfinite(r)], dtype=float)
     if not len(values):
         return {"n": 0, "median": None, "mean": None, "ci95": [None, None], "rounds": []}
@@ -84,10 +78,9 @@ def ratio_summary(ratios: Sequence[float], seed: int = 0, digits: int = 3) -> di
 
 def paired_summary(rounds: list[dict[str, Sample]], names: list[str], seed: int = 0) -> dict[str, Any]:
     """Rounds of `run_paired` over `names` (the first is the reference). Per arm over the rounds every arm answered:
-    latency p50/mean/p95, and where the server reports its own timings (the service) the p50s of its engine time,
-    of its API handler's whole time and of what lay outside the handler (HTTP front end, connection). Per arm after
-    the first: its per-round latency minus the reference's (median and mean, each with a bootstrap 95 % interval)
-    and its throughput at one client against the reference's (the reference's mean latency ÷ its own)."""
+    latency p50/mean/p95 and the p50s of the server's own timings where it reports them (engine, API handler, what
+    lay outside the handler). Per arm after the first: its per-round latency minus the reference's (median and mean
+    with intervals) and its docs/s at one client against the reference's (mean latency ÷ mean latency)."""
     complete = [r for r in rounds if all(r[name].ok for name in names)]
     ms = {name: np.asarray([r[name].latency_s * 1000 for r in complete]) for name in names}
     out: dict[str, Any] = {"rounds": len(rounds), "complete_rounds": len(complete), "reference": names[0],

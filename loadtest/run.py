@@ -1,21 +1,14 @@
 """Headless load runner: closed loop (N clients, each sending its next request as soon as the last answered) or open
-loop (Poisson arrivals at R requests/s, whatever the latency), a sweep over N or R, time-bounded steps.
+loop (Poisson arrivals at R requests/s), a sweep over N or R, time-bounded steps.
 
     python -m loadtest run --url http://127.0.0.1:8000 --workload mixed --mode closed --levels 1,4,16 \
         --duration 30 --slo-ms 3000 --out results/load
 
-Writes OUT/summary.json (environment, settings, one entry per step), OUT/summary.csv (one row per step) and
-OUT/summary.png (throughput and p95 latency against concurrency or offered rate).
-
-Per step: requests whose answer arrives in the measurement window [start + warmup, start + duration] count;
-throughput = successful answers in the window ÷ window length; requests still in flight at the end are cancelled
-(the server aborts them) and reported as `cancelled`, not as errors. Latency is end to end (request sent → whole
-body read). Goodput = share of the window's answers that succeeded within the SLO. Error rate and 429 rate are
-shares of the window's answers. Closed loop also reports `docs_per_s_little` (clients ÷ mean latency, Little's law),
-which, unlike a count of answers, does not depend on where the window's edges fall when clients finish in waves.
-
-Targets: `OCRTarget` posts the service's `POST /v1/ocr` (JSON body, optional API key); `OpenAIChatTarget` posts raw
-vLLM's `/v1/chat/completions` with the same image and prompt (bench gpu compares the two).
+Per step, answers arriving in the window [start + warmup, start + duration] count: throughput is the successful ones
+÷ the window, latency is end to end (request sent → whole body read), goodput the share within the SLO; requests in
+flight at the end are cancelled and reported as `cancelled`, not as errors. Closed loop also gives
+`docs_per_s_little` (clients ÷ mean latency, Little's law), which does not depend on where the window's edges fall.
+Writes OUT/summary.json, OUT/summary.csv (one row per step) and OUT/summary.png (throughput and p95 latency).
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple, Protocol
@@ -36,7 +30,6 @@ import numpy as np
 from loadtest.documents import ID_CARD_FIELDS, MEDIUM_CHARS, GeneratedDocument, make_documents
 
 # --- workloads ----------------------------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Job:
@@ -68,17 +61,16 @@ class Request:
 
 # --- targets ------------------------------------------------------------------------------------------------------
 
-
 BREAKDOWN_STAGES = ("decode", "queue", "preprocess", "first_token", "generate", "delivery", "parse")
 
 
-class Answer(NamedTuple):
+class Answer(NamedTuple):  # what one answer says (Sample's fields of the same names)
     ok: bool
-    error: str | None = None  # stable error code (our API) or http_<status>
+    error: str | None = None
     output_tokens: int | None = None
-    engine_ms: float | None = None  # engine time the server reports (our API: timings_ms.engine)
-    stages_ms: dict[str, float] | None = None  # our API: the rest of timings_ms (queue, preprocess, first_token…)
-    handler_ms: float | None = None  # our API: timings_ms.total, the API handler's own time, engine call included
+    engine_ms: float | None = None
+    stages_ms: dict[str, float] | None = None
+    handler_ms: float | None = None
 
 
 class Target(Protocol):
@@ -88,8 +80,7 @@ class Target(Protocol):
 
     def body(self, job: Job, document: GeneratedDocument) -> bytes: ...
 
-    def check(self, status: int, payload: bytes) -> "Answer":
-        """What one answer says."""
+    def check(self, status: int, payload: bytes) -> Answer: ...
 
 
 @dataclass
@@ -102,10 +93,8 @@ class OCRTarget:
     confidence: bool = True  # False: `confidence: false`, the engine computes no token logprobs
 
     def headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
+        return {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key
+                                                       else {})}
 
     def body(self, job: Job, document: GeneratedDocument) -> bytes:
         task = self.task_override or job.task
@@ -118,25 +107,21 @@ class OCRTarget:
             payload["confidence"] = False
         return json.dumps(payload).encode()
 
-    def check(self, status: int, payload: bytes) -> "Answer":
-        data = _json_object(payload)
-        if data is None:
+    def check(self, status: int, payload: bytes) -> Answer:
+        if (data := _json_object(payload)) is None:
             return Answer(False, f"http_{status}")
         if status == 200:
             timings = data.get("timings_ms") or {}
             return Answer(True, None, (data.get("usage") or {}).get("output_tokens"), timings.get("engine"),
                           {k: v for k, v in timings.items() if k in BREAKDOWN_STAGES}, timings.get("total"))
-        error = (data.get("error") or {}).get("code")
-        return Answer(False, error or f"http_{status}")
+        return Answer(False, (data.get("error") or {}).get("code") or f"http_{status}")
 
 
 @dataclass
 class OpenAIChatTarget:
-    """Raw vLLM OpenAI server: `/v1/chat/completions`, the image as an `image_url` data URL, then the prompt text.
-
-    `prompts` maps a task to the exact text the service sends; `fixed_output` asks vLLM for exactly max_tokens
-    tokens (`ignore_eos` + `min_tokens`, what the service's `bench_fixed_output_tokens` asks of its engine);
-    `logprobs` asks for the sampled tokens' logprobs, as the service's engine does for confidences."""
+    """Raw vLLM OpenAI server: `/v1/chat/completions`, the image as an `image_url` data URL, then the prompt text
+    (`prompts`: the exact text the service sends per task). `fixed_output`: exactly max_tokens tokens (`ignore_eos` +
+    `min_tokens`, as `bench_fixed_output_tokens`); `logprobs`: the sampled tokens' (the service's confidences)."""
 
     model: str
     prompts: dict[str, str]
@@ -150,15 +135,9 @@ class OpenAIChatTarget:
 
     def body(self, job: Job, document: GeneratedDocument) -> bytes:
         max_tokens = job.max_tokens or 1024
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": document.data_url()}},
-                {"type": "text", "text": self.prompts[job.task]},
-            ]}],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-        }
+        payload: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": document.data_url()}},
+                                         {"type": "text", "text": self.prompts[job.task]}]}]}
         if self.fixed_output:
             payload.update(ignore_eos=True, min_tokens=max_tokens)
         if self.logprobs:
@@ -167,9 +146,8 @@ class OpenAIChatTarget:
             payload["mm_processor_kwargs"] = self.mm_processor_kwargs
         return json.dumps(payload).encode()
 
-    def check(self, status: int, payload: bytes) -> "Answer":
-        data = _json_object(payload)
-        if status == 200 and data is not None:
+    def check(self, status: int, payload: bytes) -> Answer:
+        if status == 200 and (data := _json_object(payload)) is not None:
             return Answer(True, None, (data.get("usage") or {}).get("completion_tokens"))
         return Answer(False, f"http_{status}")
 
@@ -201,18 +179,17 @@ def build_requests(target: Target, jobs: Iterable[Job], docs_per_job: int = 4, c
 
 # --- measurement --------------------------------------------------------------------------------------------------
 
-
 @dataclass
 class Sample:
     start_s: float  # seconds after the step began
     latency_s: float
     status: int  # HTTP status; 0 = no HTTP answer (connection error, client timeout)
     ok: bool
-    error: str | None = None
+    error: str | None = None  # stable error code (our API) or http_<status>
     output_tokens: int | None = None
-    engine_ms: float | None = None  # the server's own engine time (our API reports it in timings_ms)
-    stages_ms: dict[str, float] | None = None
-    handler_ms: float | None = None  # the API handler's own time (our API's timings_ms.total)
+    engine_ms: float | None = None  # our API: timings_ms.engine, the engine's time
+    stages_ms: dict[str, float] | None = None  # our API: the rest of timings_ms (queue, preprocess, first_token…)
+    handler_ms: float | None = None  # our API: timings_ms.total, the API handler's own time, engine call included
 
     @property
     def end_s(self) -> float:
@@ -244,11 +221,7 @@ async def _send(session, url: str, target: Target, request: Request, t0: float, 
         async with session.post(url, data=request.body, headers=target.headers(),
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             payload = await resp.read()
-            status = resp.status
-        latency = time.perf_counter() - start
-        answer = target.check(status, payload)
-        return Sample(start - t0, latency, status, answer.ok, answer.error, answer.output_tokens, answer.engine_ms,
-                      answer.stages_ms, answer.handler_ms)
+        return Sample(start - t0, time.perf_counter() - start, resp.status, *target.check(resp.status, payload))
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # connection refused/reset, client timeout: an error of this request
@@ -293,11 +266,16 @@ async def run_closed(base_url: str, target: Target, requests: list[Request], con
         while pending and more_wanted():
             _, pending = await asyncio.wait(pending, timeout=0.5)
         result.duration_s = round(time.perf_counter() - t0, 3)
-        result.cancelled = len(pending)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await _cancel(result, pending)
     return result
+
+
+async def _cancel(result: StepResult, pending) -> None:
+    """Cancel the requests still in flight at a step's end (the server aborts them); counted, not errors."""
+    result.cancelled = len(pending)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def run_open(base_url: str, target: Target, requests: list[Request], rate: float, duration_s: float,
@@ -314,9 +292,7 @@ async def run_open(base_url: str, target: Target, requests: list[Request], rate:
 
     async with _session() as session:
         t0 = time.perf_counter()
-        deadline = t0 + duration_s
-        next_at = t0 + rng.expovariate(rate)
-        i = 0
+        deadline, next_at, i = t0 + duration_s, t0 + rng.expovariate(rate), 0
         while next_at < deadline:
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             if len(in_flight) >= max_in_flight:
@@ -328,11 +304,7 @@ async def run_open(base_url: str, target: Target, requests: list[Request], rate:
             i += 1
             next_at += rng.expovariate(rate)
         await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
-        pending = [t for t in in_flight if not t.done()]
-        result.cancelled = len(pending)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await _cancel(result, [t for t in in_flight if not t.done()])
     return result
 
 
@@ -341,10 +313,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def little_docs_per_s(step: StepResult, counted: list[Sample], ok: int) -> float | None:
-    """Closed loop only: throughput by Little's law, clients ÷ mean latency (× the share that succeeded). N clients
-    that start together also finish in waves, so a window a few latencies long counts whole waves or misses one
-    (A4 pages at 64 clients on the H200: 150 or 192 answers in a 13 s window for the same 6.6 s latency, "9.6" or
-    "12.2" pages/s); clients ÷ latency does not depend on where the window's edges fall."""
+    """Closed loop only: clients ÷ mean latency (× the share that succeeded). Clients that start together finish in
+    waves, so a window a few latencies long counts whole waves or misses one; this does not."""
     if step.mode != "closed" or not counted:
         return None
     mean_s = sum(s.latency_s for s in counted) / len(counted)
@@ -353,83 +323,45 @@ def little_docs_per_s(step: StepResult, counted: list[Sample], ok: int) -> float
 
 def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
     """Numbers of one step over its measurement window (see the module docstring)."""
-    window_start, window_end = step.warmup_s, step.duration_s
-    window = max(1e-9, window_end - window_start)
-    counted = [s for s in step.samples if window_start <= s.end_s <= window_end]
+    window = max(1e-9, step.duration_s - step.warmup_s)
+    counted = [s for s in step.samples if step.warmup_s <= s.end_s <= step.duration_s]
     ok = [s for s in counted if s.ok]
     latencies_ms = [s.latency_s * 1000 for s in ok]
     limited = sum(1 for s in counted if s.status == 429)
     errors = len(counted) - len(ok)
-    codes: dict[str, int] = {}
-    for s in counted:
-        if not s.ok:
-            codes[s.error or "unknown"] = codes.get(s.error or "unknown", 0) + 1
     out_tokens = sum(s.output_tokens or 0 for s in ok)
     engine_ms = [s.engine_ms for s in ok if s.engine_ms is not None]
+    handled = [s for s in ok if s.handler_ms is not None]
     within_slo = sum(1 for ms in latencies_ms if slo_ms is None or ms <= slo_ms)
 
     def r(x: float | None, nd: int = 1) -> float | None:
         return None if x is None or math.isnan(x) else round(x, nd)
 
+    def share(n: int) -> float | None:
+        return r(n / len(counted), 4) if counted else None
+
     return {
-        "label": step.label,
-        "mode": step.mode,
-        "level": step.level,
-        "duration_s": step.duration_s,
-        "window_s": round(window, 3),
-        "answers": len(counted),
-        "ok": len(ok),
-        "errors": errors,
-        "rate_limited": limited,
-        "cancelled": step.cancelled,
-        "client_dropped": step.client_dropped,
-        "docs_per_s": r(len(ok) / window, 3),
-        "docs_per_s_little": r(little_docs_per_s(step, counted, len(ok)), 3),
+        "label": step.label, "mode": step.mode, "level": step.level, "duration_s": step.duration_s,
+        "window_s": round(window, 3), "answers": len(counted), "ok": len(ok), "errors": errors,
+        "rate_limited": limited, "cancelled": step.cancelled, "client_dropped": step.client_dropped,
+        "docs_per_s": r(len(ok) / window, 3), "docs_per_s_little": r(little_docs_per_s(step, counted, len(ok)), 3),
         "output_tokens_per_s": r(out_tokens / window, 1),
         "output_tokens_mean": r(out_tokens / len(ok), 1) if ok else None,
         "latency_ms_mean": r(float(np.mean(latencies_ms)) if latencies_ms else None),
-        "latency_ms_p50": r(percentile(latencies_ms, 50)),
-        "latency_ms_p95": r(percentile(latencies_ms, 95)),
-        "latency_ms_p99": r(percentile(latencies_ms, 99)),
+        **{f"latency_ms_p{q}": r(percentile(latencies_ms, q)) for q in (50, 95, 99)},
         "latency_ms_max": r(max(latencies_ms) if latencies_ms else None),
-        # our API only: the engine's share of each answer; latency p50 minus this = the stack around the engine
+        # our API only: the engine's share of each answer, and where that time went (p50 per stage: queue before the
+        # engine, preprocess and first token inside it); the same as means, to set beside raw vLLM's histograms
         "engine_ms_p50": r(percentile(engine_ms, 50)),
-        # and where that time went (p50 per stage: queue before the engine, preprocess and first token inside it)
         "stages_ms_p50": per_stage(ok, lambda values: r(percentile(values, 50))),
-        # the same as means, to set beside vLLM's own histograms (sums ÷ counts) of a raw server
         "engine_ms_mean": r(float(np.mean(engine_ms)) if engine_ms else None),
         "stages_ms_mean": per_stage(ok, lambda values: r(float(np.mean(values)))),
         # the API handler's whole time and what lay outside it (the HTTP front end: proxy, connection, waiting there)
-        "handler_ms_p50": r(percentile([s.handler_ms for s in ok if s.handler_ms is not None], 50)),
-        "outside_handler_ms_p50": r(percentile([s.latency_s * 1000 - s.handler_ms for s in ok
-                                                if s.handler_ms is not None], 50)),
-        "error_rate": r(errors / len(counted), 4) if counted else None,
-        "rate_429": r(limited / len(counted), 4) if counted else None,
-        "slo_ms": slo_ms,
-        "goodput": r(within_slo / len(counted), 4) if counted else None,
-        "error_codes": codes,
+        "handler_ms_p50": r(percentile([s.handler_ms for s in handled], 50)),
+        "outside_handler_ms_p50": r(percentile([s.latency_s * 1000 - s.handler_ms for s in handled], 50)),
+        "error_rate": share(errors), "rate_429": share(limited), "slo_ms": slo_ms, "goodput": share(within_slo),
+        "error_codes": dict(Counter(s.error or "unknown" for s in counted if not s.ok)),
     }
-
-
-async def sweep(base_url: str, target: Target, requests: list[Request], *, mode: str, levels: list[float],
-                duration_s: float, warmup_s: float, slo_ms: float | None, label: str, timeout_s: float = 600.0,
-                cooldown_s: float = 1.0, on_step: Callable[[dict[str, Any]], None] | None = None,
-                min_answers: int = 0) -> list[dict[str, Any]]:
-    """Run one step per level."""
-    summaries = []
-    for level in levels:
-        if mode == "closed":
-            step = await run_closed(base_url, target, requests, int(level), duration_s, warmup_s, timeout_s, label,
-                                    min_answers)
-        else:
-            step = await run_open(base_url, target, requests, float(level), duration_s, warmup_s, timeout_s,
-                                  label=label)
-        summary = step.summary(slo_ms)
-        summaries.append(summary)
-        if on_step is not None:
-            on_step(summary)
-        await asyncio.sleep(cooldown_s)  # cancelled requests are aborted server-side before the next step
-    return summaries
 
 
 async def warm_up(base_url: str, target: Target, requests: list[Request], count: int, concurrency: int = 1,
@@ -498,17 +430,13 @@ def plot_steps(steps: list[dict[str, Any]], path: Path, title: str = "") -> None
         ax2.plot(xs, [s["latency_ms_p95"] if s["latency_ms_p95"] is not None else float("nan") for s in rows],
                  "s--", color=colour, alpha=0.7, label=f"{label} p95 ms")
     modes = {s["mode"] for s in steps}
-    ax.set_xlabel("concurrency (clients)" if modes == {"closed"} else "offered load (requests/s)"
-                  if modes == {"open"} else "concurrency / offered load")
-    ax.set_ylabel("throughput (docs/s)")
-    ax2.set_ylabel("p95 latency (ms)")
+    ax.set(xlabel="concurrency (clients)" if modes == {"closed"} else "offered load (requests/s)"
+           if modes == {"open"} else "concurrency / offered load", ylabel="throughput (docs/s)", ylim=(0, None))
+    ax2.set(ylabel="p95 latency (ms)", ylim=(0, None))
     if steps and max(s["level"] for s in steps) / max(1e-9, min(s["level"] for s in steps)) >= 16:
         ax.set_xscale("log", base=2)
-    ax.set_ylim(bottom=0)
-    ax2.set_ylim(bottom=0)
-    handles = ax.get_legend_handles_labels()
-    handles2 = ax2.get_legend_handles_labels()
-    ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="upper left")
+    (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -540,11 +468,9 @@ def resolve_task(base_url: str, task: str | None) -> str | None:
     return "text" if ready.get("engine") == "embedded" else None
 
 
-def parse_levels(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the service")
     p.add_argument("--api-key", help="API key (Authorization: Bearer ...); default: none (open mode)")
     p.add_argument("--no-confidence", action="store_true", help="send `confidence: false` (no token logprobs)")
@@ -554,8 +480,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["closed", "open"], default="closed")
     p.add_argument("--levels", default="1,2,4,8", help="comma-separated concurrencies (closed) or requests/s (open)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds per step")
-    p.add_argument("--warmup", type=float, default=None, help="seconds at the start of each step not measured "
-                   "(default 20%% of --duration)")
+    p.add_argument("--warmup", type=float, default=None, help="unmeasured seconds at each step's start (default "
+                   "20%% of --duration)")
     p.add_argument("--warmup-requests", type=int, default=2, help="unmeasured requests before the first step")
     p.add_argument("--min-answers", type=int, default=0, help="closed loop: extend a step past --duration until "
                    "this many answers arrived after its warm-up (slow servers; bounded by --timeout)")
@@ -566,14 +492,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="override the output token limit of every job")
     p.add_argument("--out", type=Path, default=Path("results/load"), help="output directory")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return asyncio.run(_main(args))
+    return asyncio.run(_main(p.parse_args(argv)))
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -591,26 +510,21 @@ async def _main(args: argparse.Namespace) -> int:
           f"{warmup_s:g}s warm-up)", flush=True)
     await warm_up(args.url, target, requests, args.warmup_requests)
     steps: list[dict[str, Any]] = []
-    meta = {
-        "title": f"{label} — {args.mode} loop",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "url": args.url,
-        "workload": args.workload,
-        "jobs": [asdict(j) for j in jobs],
-        "task_override": target.task_override,
-        "chars_per_page": args.chars,
-        "environment": environment_facts(),
-        "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
-    }
-
-    def on_step(summary: dict[str, Any]) -> None:
-        steps.append(summary)
-        print_step(summary)
+    meta = {"title": f"{label} — {args.mode} loop", "date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "url": args.url,
+            "workload": args.workload, "jobs": [asdict(j) for j in jobs], "task_override": target.task_override,
+            "chars_per_page": args.chars, "environment": environment_facts(),
+            "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"}}
+    for level in (float(x) for x in args.levels.split(",") if x.strip()):
+        if args.mode == "closed":
+            step = await run_closed(args.url, target, requests, int(level), args.duration, warmup_s, args.timeout,
+                                    label, args.min_answers)
+        else:
+            step = await run_open(args.url, target, requests, level, args.duration, warmup_s, args.timeout,
+                                  label=label)
+        steps.append(step.summary(args.slo_ms))
+        print_step(steps[-1])
         write_outputs(args.out, steps, meta, plot=False)  # partial results survive an interrupted run
-
-    await sweep(args.url, target, requests, mode=args.mode, levels=parse_levels(args.levels),
-                duration_s=args.duration, warmup_s=warmup_s, slo_ms=args.slo_ms, label=label,
-                timeout_s=args.timeout, on_step=on_step, min_answers=args.min_answers)
+        await asyncio.sleep(1.0)  # cancelled requests are aborted server-side before the next step
     paths = write_outputs(args.out, steps, meta, plot=not args.no_plot)
     print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
     return 0 if all(s.get("ok", 0) > 0 for s in steps) else 1
