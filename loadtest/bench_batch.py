@@ -106,14 +106,19 @@ def bench_cpu(args: argparse.Namespace, results: dict[str, Any], save) -> None:
 
 # --- GPU: vLLM --------------------------------------------------------------------------------------------------------
 
+def raw_gpu_args(args: argparse.Namespace) -> list[str]:
+    """`bench gpu`'s arguments for the reference: raw `vllm serve` alone, one round of A4 pages at --raw-levels
+    clients, within --raw-budget-s if given (none otherwise)."""
+    return ["--raw-only", "--workloads", "a4", "--a4-levels", args.raw_levels, "--kv-budget-gb",
+            str(args.kv_budget_gb), "--pair-s", "5", "--rounds", "1", "--budget-s", str(args.raw_budget_s or 0),
+            "--out", str(args.out / "raw"), *(["--tiny"] if args.tiny else [])]
+
+
 def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
     from loadtest.bench_gpu import service_settings
 
     raw_out = args.out / "raw"
-    command = [sys.executable, "-m", "loadtest", "bench", "gpu", "--parts", "raw", "--workloads", "a4",
-               "--a4-levels", args.raw_levels, "--kv-budget-gb", str(args.kv_budget_gb), "--pair-s", "5",
-               "--out", str(raw_out), *(["--tiny"] if args.tiny else []),
-               *(["--budget-s", str(args.raw_budget_s)] if args.raw_budget_s else [])]
+    command = [sys.executable, "-m", "loadtest", "bench", "gpu", *raw_gpu_args(args)]
     results["raw_command"] = " ".join(command[1:])
     print("bench batch: raw vllm serve:", results["raw_command"], flush=True)
     subprocess.run(command, check=False, timeout=args.raw_budget_s + 120 if args.raw_budget_s else None)

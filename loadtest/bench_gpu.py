@@ -87,6 +87,8 @@ class Server:
 
 
 def servers(args: argparse.Namespace) -> list[Server]:
+    if args.raw_only:
+        return [Server("raw", {})]
     return [Server("raw", {}), Server("service", {}),
             *(Server(f"service-{label}", env) for label, env in parse_variants(args.variant).items())]
 
@@ -547,6 +549,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache per engine, GiB (default 24; tiny 1)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL[:NAME=VALUE,...]",
                    help=f"another service server with these environment variables; presets {', '.join(PRESETS)}")
+    p.add_argument("--raw-only", action="store_true", help="raw `vllm serve` alone (bench batch's reference)")
     p.add_argument("--confidence-cost", action="store_true", help="also raw-noconf and service-noconf (no logprobs)")
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="a vLLM engine argument for every server (into the service's engine_kwargs)")

@@ -218,6 +218,20 @@ def test_a_plan_that_does_not_fit_says_why():
         bench_gpu.plan(gpu_args("--id-levels", "1,8"), H100)
 
 
+def test_the_batch_benchmarks_reference_is_one_round_of_raw_vllm_alone(tmp_path):
+    """`bench batch --engine vllm` runs `bench gpu` for raw `vllm serve`'s peak: its arguments must parse there, start
+    raw alone and plan one round of the A4 levels, with no budget unless --raw-budget-s gives one."""
+    from loadtest import bench_batch
+
+    batch = argparse.Namespace(raw_levels="128,256", kv_budget_gb=24.0, out=tmp_path, tiny=False, raw_budget_s=None)
+    args = gpu_args(*bench_batch.raw_gpu_args(batch))
+    planned = bench_gpu.plan(args, H100)
+    assert planned["servers"] == planned["arms"] == ["raw"] and planned["rounds"] == 1 and planned["fits"], planned
+    assert args.out == tmp_path / "raw" and args.workloads == "a4" and args.a4_levels == "128,256"
+    timed = gpu_args(*bench_batch.raw_gpu_args(argparse.Namespace(**{**vars(batch), "raw_budget_s": 60.0})))
+    assert not bench_gpu.plan(timed, H100)["fits"]
+
+
 def test_plan_only_starts_nothing_and_exits_by_whether_the_plan_fits(capsys, tmp_path):
     assert loadtest_main(["bench", "gpu", "--plan-only", "--out", str(tmp_path / "a")]) == 0
     assert "fits" in capsys.readouterr().out and not (tmp_path / "a").exists()
