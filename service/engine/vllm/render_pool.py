@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import threading
 import time
 import warnings
 from concurrent.futures.process import BrokenProcessPool
@@ -36,6 +37,7 @@ from service.errors import OCRError
 log = logging.getLogger(__name__)
 
 PROCESS_TITLE = "OCR::RenderWorker"
+PARENT_POLL_S = 1.0  # how often a worker checks that its engine process is still there
 
 # The worker process's renderer, built once by _init_worker. Module state only inside pool workers: a
 # ProcessPoolExecutor hands work to plain functions, so this is where a worker keeps what it built.
@@ -71,10 +73,22 @@ def _dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _init_worker(vllm_config: Any, warm_inputs: dict[str, Any], ready) -> None:
+def _exit_with_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """End this worker once `parent_pid` is no longer its parent. A pool worker does not notice its engine process's
+    death by SIGKILL (the OOM killer, a replica killed by Ray) and would keep its renderer's memory for good."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _init_worker(parent_pid: int, vllm_config: Any, warm_inputs: dict[str, Any], ready) -> None:
     """Build vLLM's renderer for this engine in this worker, with a rank of its own, render one page, and say so on
-    `ready` (a multiprocessing queue) with this worker's pid."""
+    `ready` (a multiprocessing queue) with this worker's pid. The worker ends with its parent, `parent_pid`."""
     global _worker_renderer
+    _exit_with_parent(parent_pid)
     import torch
     from vllm.renderers.registry import renderer_from_config
 
@@ -148,7 +162,7 @@ class RenderPool:
         self._ready = context.Queue()
         self._pool = pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=self.processes, mp_context=context, initializer=_init_worker,
-            initargs=(self._vllm_config, self._warm_inputs, self._ready))
+            initargs=(os.getpid(), self._vllm_config, self._warm_inputs, self._ready))
         # a spawn pool starts a worker for each task that finds none idle: N tasks at once start all N now, instead
         # of making the first users wait for a process start. Each worker reports once its initializer has built
         # and warmed its renderer; a worker that fails there breaks the pool and with it these tasks. The tasks are
