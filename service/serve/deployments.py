@@ -10,6 +10,7 @@ import logging
 from typing import Any, AsyncIterator
 
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
 
 from service.config import Settings
@@ -148,13 +149,33 @@ class AdapterSlot:
             pass
 
 
+class ProxyCancelAsDisconnect:
+    """A client that closes while its body is still being read: Serve's proxy cancels the task that feeds this
+    replica the body, and the replica's `receive()` raises TaskCancelledError where an ASGI server would return
+    `http.disconnect`. Here it returns that, so the app counts a 499 `client_disconnected`, not a 500."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect if scope["type"] == "http" else receive, send)
+
+
 class HttpReplica:
     """What a replica that answers HTTP has, in either topology: the FastAPI app around `self.ctx`, and drain."""
 
     ctx: AppContext
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.ctx)
+        app = create_app(self.ctx)
+        app.add_middleware(ProxyCancelAsDisconnect)  # outermost of ours: every layer sees the disconnect
+        return app
 
     async def drain(self, cut: bool = False) -> dict[str, Any]:
         """Start draining this replica (readiness fails, new work gets 503 `shutting_down`); called through a

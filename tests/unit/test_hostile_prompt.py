@@ -393,6 +393,41 @@ async def test_a_client_gone_mid_body_is_counted_as_disconnected_not_as_a_500(ca
     assert engine.requests == []
 
 
+async def test_a_body_read_that_serves_proxy_cancelled_is_counted_as_disconnected(caplog):
+    """Through Serve's proxy a client gone mid-body reaches the replica as TaskCancelledError from `receive()`, not
+    as `http.disconnect`: the replica's app (service/serve/deployments.py) counts it as 499 all the same."""
+    from ray.exceptions import TaskCancelledError
+
+    from service.serve.deployments import ProxyCancelAsDisconnect
+
+    app, engine, ctx = make_app()
+    app.add_middleware(ProxyCancelAsDisconnect)
+    sent: list[dict] = []
+    first = True
+
+    async def receive():
+        nonlocal first
+        if first:
+            first = False
+            return {"type": "http.request", "body": b'{"image": "' + b"A" * 1000, "more_body": True}
+        raise TaskCancelledError()
+
+    async def send(message):
+        sent.append(message)
+
+    path = "/v1/ocr"
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100000")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    with caplog.at_level("DEBUG"):
+        await app(scope, receive, send)
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+    assert ctx.metrics.finished == [(499, "client_disconnected")], ctx.metrics.finished
+    assert all(m.get("status", 0) < 500 for m in sent if m["type"] == "http.response.start")
+    assert engine.requests == []
+
+
 async def test_a_request_cancelled_before_its_answer_is_counted_as_disconnected():
     """Serve cancels the replica's request when its proxy sees the client go."""
     app, engine, ctx = make_app(engine_delay_s=5.0)
