@@ -27,7 +27,6 @@ from loadtest import run
 from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, new_results, parse_variants, port_holder,
                              report_head, run_parts, start_service)
 from loadtest.documents import GeneratedDocument, make_documents
-from loadtest.paired import interval_text, ratio_summary
 
 PARTS = ("embedded", "overhead")
 GOAL_RATIO = 1.1  # issue 50: the embedded engine per request within 1.1× of rapidocr called directly
@@ -105,7 +104,7 @@ def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s:
         direct_ms, api_ms = [d["latency_ms"] for d, _ in rows], [a["latency_ms"] for _, a in rows]
         per_upload[fmt] = {"pairs": len(rows), "direct_p50_ms": p50(direct_ms), "api_p50_ms": p50(api_ms),
                            "p50_ratio": round(p50(api_ms) / p50(direct_ms), 3),
-                           "pair_ratio": ratio_summary([a / d for d, a in zip(direct_ms, api_ms)]),
+                           "pair_ratio": run.ratio_summary([a / d for d, a in zip(direct_ms, api_ms)]),
                            "api_engine_p50_ms": p50([a["server_engine_ms"] for _, a in rows]),
                            "api_decode_p50_ms": p50([a["server_decode_ms"] for _, a in rows])}
         print(f"  embedded {fmt}: direct p50 {per_upload[fmt]['direct_p50_ms']} ms, API p50 "
@@ -210,7 +209,7 @@ def report(results: dict[str, Any]) -> str:
                              "API ÷ direct per pair, median (95 %)", "engine inside the service p50 ms",
                              "ingress decode p50 ms"], "lrrrrlrr",
                             [[kind, u["pairs"], u["direct_p50_ms"], u["api_p50_ms"], f"**{u['p50_ratio']}**",
-                              interval_text(u["pair_ratio"]["median"], u["pair_ratio"]["ci95"]),
+                              run.interval_text(u["pair_ratio"]["median"], u["pair_ratio"]["ci95"]),
                               u["api_engine_p50_ms"], u["api_decode_p50_ms"]] for kind, u in e["per_request"].items()])]
         lines += ["", f"Goal, API ÷ direct p50 ≤ {GOAL_RATIO:g}: " + ", ".join(
             f"{kind} **{'met' if u['p50_ratio'] <= GOAL_RATIO else 'not met'}**"

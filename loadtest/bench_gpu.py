@@ -39,7 +39,7 @@ from loadtest.common import (OFFLINE_ENV, PRESETS, BenchRecord, bench_kit, cpu_p
                              port_holder, report_head, service_prompt, session_members, start_service,
                              start_vllm_server, throughput)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
-from loadtest.paired import Arm, interval_text, paired_summary, ratio_summary, run_paired
+from loadtest.run import Arm, interval_text, paired_summary, ratio_summary, run_paired
 
 SERVED_NAME = "hunyuan-ocr"
 COLD_START_S, BESIDE_S, TINY_START_S = 210.0, 25.0, 150.0  # servers up, from the first start on a fresh machine

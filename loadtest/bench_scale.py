@@ -461,7 +461,7 @@ class Bench(BenchRecord):
                         entry["blocks"].setdefault(w, []).append({**await self.block(w, n * level, level),
                                                                   "round": r + 1})
                         self.save()
-        self.results["scaling"] = scaling(self.results["sweep"], self.args.time_scale)
+        self.results["scaling"] = scaling(self.results["sweep"])
         self.save()
 
     async def nodekill(self) -> None:
@@ -560,10 +560,9 @@ class Bench(BenchRecord):
         self.log(f"wrote {self.out}/results.json and report.md")
 
 
-def scaling(sweep: dict[str, Any], time_scale: float) -> dict[str, Any]:
+def scaling(sweep: dict[str, Any]) -> dict[str, Any]:
     """Per workload and replica count: the best docs/s of a block within the bound and without errors (the median
-    over rounds at each level), the efficiency best(n) ÷ (n × best(1)), the ingress CPU per request. On CPU the
-    docs/s are also given at the GPU's time (× time_scale)."""
+    over rounds at each level), the efficiency best(n) ÷ (n × best(1)), the ingress CPU per request."""
     out: dict[str, Any] = {}
     for n, entry in sweep.items():
         for workload, blocks in entry["blocks"].items():
@@ -585,8 +584,6 @@ def scaling(sweep: dict[str, Any], time_scale: float) -> dict[str, Any]:
         for n, row in by_n.items():
             best = row["best_within_bound"]
             row["efficiency"] = round(best["docs_per_s"] / (int(n) * one["docs_per_s"]), 3) if best and one else None
-            if best and time_scale != 1:
-                row["docs_per_s_at_gpu_time"] = round(best["docs_per_s"] * time_scale, 2)
     return out
 
 
