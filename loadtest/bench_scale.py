@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, bench_kit, cpu_seconds, cpu_snapshot, fmt,
-                             free_port, md_table, new_results, nvidia_smi, plan_text, report_head, session_members,
-                             throughput, with_repo_path)
+from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, add_options, bench_kit, cpu_seconds,
+                             cpu_snapshot, fill_defaults, fmt, free_port, md_table, new_results, nvidia_smi, plan_text,
+                             report_head, session_members, throughput, with_repo_path)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 
 # ID card ≤ 500 ms, A4 page ≤ 3 s p95 (docs/BENCHMARKS.md G1, G2); client levels per replica around one engine's
@@ -667,9 +667,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it won't fit)")
     p.add_argument("--cpu", action="store_true", help="worker nodes declaring GPUs, the mock engine timed like a GPU's")
-    for flag, kind, gpu, cpu, text in OPTIONS:
-        defaults = f" (default {gpu}" + (f"; --cpu {cpu}" if cpu not in (gpu, None) else "") + ")"
-        p.add_argument(flag, type=kind, default=None, help=text + (defaults if gpu is not None else ""))
+    add_options(p, OPTIONS, "--cpu")
     p.add_argument("--haproxy", action=argparse.BooleanOptionalAction, default=None, help="HAProxy as the HTTP "
                    "front end (default on; --cpu off: Serve's proxy actor)")
     p.add_argument("--autoscale-workload", default="id_card", choices=list(WORKLOADS))
@@ -679,10 +677,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    for flag, _, gpu, cpu, _ in [*OPTIONS, ("--haproxy", bool, True, False, "")]:
-        name = flag[2:].replace("-", "_")
-        if getattr(args, name) is None:
-            setattr(args, name, cpu if args.cpu else gpu)
+    fill_defaults(args, [*OPTIONS, ("--haproxy", bool, True, False, "")], args.cpu)
     if not args.cpu and args.time_scale != 1.0:
         parser().error("--time-scale is for --cpu (the mock engine)")
     args.parts = [p for p in args.parts.split(",") if p]

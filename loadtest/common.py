@@ -224,11 +224,6 @@ def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = No
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s (last: {last!r}){tail}")
 
 
-def get_json(url: str, timeout_s: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
 PORT_TAKEN_MARKERS = ("Failed to bind", "Address already in use", "address already in use")
 
 
@@ -445,6 +440,21 @@ def new_results(command: str, argv: list[str], environment: dict[str, Any] | Non
 
 def load_average() -> list[float]:
     return [round(x, 1) for x in os.getloadavg()]
+
+
+def add_options(parser, options: list[tuple], switch: str) -> None:
+    """Options of a table of (flag, type, default, default with `switch`, help), parsed as None where not given (for
+    `fill_defaults`); the help names the defaults."""
+    for flag, kind, default, other, text in options:
+        shown = f" (default {default}" + (f"; {switch} {other}" if other not in (default, None) else "") + ")"
+        parser.add_argument(flag, type=kind, default=None, help=text + (shown if default is not None else ""))
+
+
+def fill_defaults(args, options: list[tuple], switched: bool) -> None:
+    """The table's defaults for the options not given: the switch's column where it is on."""
+    for flag, _, default, other, _ in options:
+        if getattr(args, name := flag[2:].replace("-", "_")) is None:
+            setattr(args, name, other if switched else default)
 
 
 def plan_text(p: dict[str, Any], about: str = "") -> str:

@@ -557,10 +557,11 @@ def resolve_task(base_url: str, task: str | None) -> str | None:
     """`--task auto`: keep each job's task on a VLM engine; on the embedded engine (spotting/text only) use `text`."""
     if task not in (None, "auto"):
         return task
-    from loadtest.common import get_json
+    import urllib.request
 
     try:
-        ready = get_json(base_url.rstrip("/") + "/readyz")
+        with urllib.request.urlopen(base_url.rstrip("/") + "/readyz", timeout=10) as resp:
+            ready = json.loads(resp.read())
     except Exception:  # not our service or not ready: keep the workload's tasks
         return None
     return "text" if ready.get("engine") == "embedded" else None
