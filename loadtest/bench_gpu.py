@@ -80,23 +80,16 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-@dataclasses.dataclass(frozen=True)
-class Server:
-    name: str  # raw | service | service-LABEL
-    env: dict[str, str]  # a variant's environment variables
-
-
-def servers(args: argparse.Namespace) -> list[Server]:
+def servers(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Server name (raw | service | service-LABEL) → its environment variables (a variant's)."""
     if args.raw_only:
-        return [Server("raw", {})]
-    return [Server("raw", {}), Server("service", {}),
-            *(Server(f"service-{label}", env) for label, env in parse_variants(args.variant).items())]
+        return {"raw": {}}
+    return {"raw": {}, "service": {}, **{f"service-{name}": env for name, env in parse_variants(args.variant).items()}}
 
 
-def arm_names(args: argparse.Namespace, server_list: list[Server]) -> list[str]:
+def arm_names(args: argparse.Namespace, names: dict[str, Any]) -> list[str]:
     """raw first (every ratio's reference), then each service; with --confidence-cost each again without."""
-    names = [s.name for s in server_list]
-    return names + [f"{name}-noconf" for name in names] if args.confidence_cost else names
+    return [*names, *(f"{name}-noconf" for name in names)] if args.confidence_cost else list(names)
 
 
 def block_timing(args: argparse.Namespace, w: Workload, clients: int) -> tuple[float, float]:
@@ -136,13 +129,13 @@ def plan(args: argparse.Namespace, facts: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"{len(server_list)} engines need about {memory:.0f} GiB of the GPU's "
                             f"{facts['gpu_memory_gib']:g} GiB: a smaller --kv-budget-gb or fewer variants")
     steps = [f"prepare (model kit, documents, vLLM's engine arguments): {PREPARE_S:.0f}s",
-             f"start {', '.join(s.name for s in server_list)} at once: {startup:.0f}s",
+             f"start {', '.join(server_list)} at once: {startup:.0f}s",
              f"warm-ups: {warmups:.0f}s",
              *(f"{w.name}: one client, paired rounds of {', '.join(arms)}: {args.pair_s:g}s" for w in work),
              *(f"{w.name} @ {level} clients: {len(arms)} blocks of {block_timing(args, w, level)[1]:g}s "
                f"(warm-up {block_timing(args, w, level)[0]:g}s) per round" for w in work for level in w.levels),
              f"{rounds} rounds of {round_s:.0f}s", f"stops: {STOP_S:.0f}s"]
-    return {"servers": [s.name for s in server_list], "arms": arms, "startup_s": startup, "fixed_s": round(fixed),
+    return {"servers": list(server_list), "arms": arms, "startup_s": startup, "fixed_s": round(fixed),
             "round_s": round(round_s), "rounds": rounds, "total_s": round(total), "budget_s": budget,
             "memory_gib": memory, "steps": steps, "problems": problems, "fits": not problems}
 
@@ -298,12 +291,12 @@ class Bench(BenchRecord):
 
     def start_servers(self) -> None:
         """Every server at once; when one fails to start, the others are stopped with it (by the caller)."""
-        def launch(server: Server) -> None:
-            env = {**OFFLINE_ENV, **server.env,
-                   "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-bench-{server.name}")}
-            log_path = self.out / "logs" / f"{server.name}.log"
+        def launch(name: str, variant: dict[str, str]) -> None:
+            env = {**OFFLINE_ENV, **variant,
+                   "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-bench-{name}")}
+            log_path = self.out / "logs" / f"{name}.log"
             timeout = max(60.0, self.deadline - time.monotonic() - 60)
-            if server.name == "raw":
+            if name == "raw":
                 if self.torch_threads:  # the service's EngineCore gets this many torch threads (OMP_NUM_THREADS)
                     env["OMP_NUM_THREADS"] = str(self.torch_threads)
                 if self.args.tiny:
@@ -312,16 +305,15 @@ class Bench(BenchRecord):
                                               ready_timeout_s=timeout, extra_env=env)
             else:
                 proc, url = start_service(self.settings, log_path=log_path, ready_timeout_s=timeout, extra_env=env)
-            self.procs[server.name], self.urls[server.name] = proc, url
-            self.results["servers"][server.name] = {"env": server.env, "ready_s": round(time.monotonic() - started, 1)}
-            if server.name != "raw":  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
-                self.results["servers"][server.name]["http_listener"] = port_holder(proc, urllib.parse.urlsplit(
-                    url).port)
-            self.log(f"{server.name} ready at {url}")
+            self.procs[name], self.urls[name] = proc, url
+            self.results["servers"][name] = {"env": variant, "ready_s": round(time.monotonic() - started, 1)}
+            if name != "raw":  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
+                self.results["servers"][name]["http_listener"] = port_holder(proc, urllib.parse.urlsplit(url).port)
+            self.log(f"{name} ready at {url}")
 
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
-            futures = [pool.submit(launch, server) for server in self.servers]
+            futures = [pool.submit(launch, *server) for server in self.servers.items()]
         for future in futures:  # once every server is up or failed: the first failure
             future.result()
         self.results["startup_s"] = round(time.monotonic() - started, 1)

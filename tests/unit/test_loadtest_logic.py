@@ -246,7 +246,7 @@ def test_confidence_cost_and_variants_add_arms_compared_with_raw_and_their_own_s
     args = gpu_args("--confidence-cost", "--variant", "haproxy")
     names = bench_gpu.arm_names(args, bench_gpu.servers(args))
     assert names == ["raw", "service", "service-haproxy", "raw-noconf", "service-noconf", "service-haproxy-noconf"]
-    assert bench_gpu.servers(args)[2].env == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert bench_gpu.servers(args)["service-haproxy"] == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
     assert [bench_gpu._references(n) for n in ("raw", "service", "raw-noconf", "service-haproxy-noconf")] == [
         [], ["raw"], ["raw"], ["raw", "service-haproxy"]]
 
