@@ -24,10 +24,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from PIL import Image
+
 from loadtest import run
 from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, median, new_results, parse_variants,
                              port_holder, report_head, run_parts, start_service)
-from loadtest.documents import GeneratedDocument, make_documents
+from loadtest.documents import GeneratedDocument, encode, make_documents
 
 PARTS = ("embedded", "overhead")
 GOAL_RATIO = 1.1  # issue 50: the embedded engine per request within 1.1× of rapidocr called directly
@@ -59,20 +61,13 @@ def post_sequential(url: str, body: bytes, count: int) -> list[dict[str, float]]
 p50 = functools.partial(median, digits=2)  # a median in ms, to 0.01
 
 
-def jpeg(png: bytes) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.open(io.BytesIO(png)).convert("RGB").save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
 # --- embedded engine vs rapidocr called directly ---------------------------------------------------------------------
 
 def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s: float) -> dict[str, Any]:
     documents = make_documents("a4", docs) + make_documents("id_card", docs)
+    jpeg = {id(doc): encode(Image.open(io.BytesIO(doc.png)).convert("RGB"), "JPEG", quality=90) for doc in documents}
     uploads = [(doc, fmt, data, mime) for doc in documents
-               for fmt, data, mime in (("jpeg", jpeg(doc.png), "image/jpeg"), ("png", doc.png, "image/png"))]
+               for fmt, data, mime in (("jpeg", jpeg[id(doc)], "image/jpeg"), ("png", doc.png, "image/png"))]
     bodies = {id(data): upload_body(data, mime) for _, _, data, mime in uploads}
     engine, ocr = embedded_ocr()
 
@@ -145,15 +140,8 @@ def embedded_blocks(url: str, documents: list[GeneratedDocument], direct: Callab
 
 # --- the serving stack alone: mock engine -----------------------------------------------------------------------------
 
-def _tiny_png() -> GeneratedDocument:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 32), "white").save(buf, format="PNG")
-    return GeneratedDocument("id_card", 64, 32, buf.getvalue(), "")
-
-
-PAYLOADS = {"tiny_64x32": _tiny_png, "id_card_1000x630": lambda: make_documents("id_card", 1)[0],
+PAYLOADS = {"tiny_64x32": lambda: GeneratedDocument("id_card", 64, 32, encode(Image.new("RGB", (64, 32), "white")), ""),
+            "id_card_1000x630": lambda: make_documents("id_card", 1)[0],
             "a4_1240x1754": lambda: make_documents("a4", 1)[0]}
 
 
