@@ -29,6 +29,7 @@ import threading
 import sys
 import time
 import urllib.parse
+import urllib.request
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -231,8 +232,6 @@ class GpuBusy:
 
 def vllm_histograms(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each of VLLM_HISTOGRAMS, summed over label sets, from a raw server's /metrics."""
-    import urllib.request
-
     wanted = {f"{metric}_{kind}": (name, i) for name, metric in VLLM_HISTOGRAMS.items()
               for i, kind in enumerate(("sum", "count"))}
     totals = {name: [0.0, 0.0] for name in VLLM_HISTOGRAMS}

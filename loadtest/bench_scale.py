@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -121,8 +122,6 @@ def settings_for(args: argparse.Namespace, part: str, replicas: int, most: int, 
 
 def ray_cli() -> list[str]:
     """Ray's CLI: its `ray` script, or its module where Ray was installed without scripts (`pip --target`)."""
-    import shutil
-
     return ["ray"] if shutil.which("ray") else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
@@ -258,8 +257,6 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        import shutil
-
         for node in reversed(self.nodes):
             node.stop(timeout_s=15)
         # Ray's own logs of the nodes' daemons (raylets, GCS), then the session's folder goes

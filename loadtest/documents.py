@@ -6,6 +6,7 @@ font: other glyphs, the same image size, and image size alone sets a VLM's token
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 import random
@@ -203,8 +204,6 @@ def make_documents(kind: DocumentKind, count: int = 4, *, chars: int = MEDIUM_CH
 
 def main(argv: list[str] | None = None) -> int:
     """Write sample documents as PNG files: `python -m loadtest documents OUT_DIR [--kind a4] [--count 3]`."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--kind", choices=["id_card", "a4"], default="a4")

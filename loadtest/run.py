@@ -20,6 +20,7 @@ import json
 import math
 import random
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -557,8 +558,6 @@ def resolve_task(base_url: str, task: str | None) -> str | None:
     """`--task auto`: keep each job's task on a VLM engine; on the embedded engine (spotting/text only) use `text`."""
     if task not in (None, "auto"):
         return task
-    import urllib.request
-
     try:
         with urllib.request.urlopen(base_url.rstrip("/") + "/readyz", timeout=10) as resp:
             ready = json.loads(resp.read())
