@@ -341,8 +341,9 @@ class Bench(BenchRecord):
 
     async def measure(self) -> None:
         rounds = self.replan()
+        arms_of = {w.name: [self.arm(name, w) for name in self.arms] for w in self.workloads}
         for w in self.workloads:
-            arms = [self.arm(name, w) for name in self.arms]
+            arms = arms_of[w.name]
             for a in arms:  # first requests build processors and compile paths: unmeasured, on every arm
                 await run.warm_up(a.base_url, a.target, a.requests, count=1, timeout_s=self.args.request_timeout_s)
                 burst = min(8, max(w.levels, default=1))
@@ -358,9 +359,8 @@ class Bench(BenchRecord):
             self.save()
         for r in range(rounds):
             for w in self.workloads:
-                arms = [self.arm(name, w) for name in self.arms]
                 for level in w.levels:
-                    for a in arms if r % 2 == 0 else arms[::-1]:
+                    for a in arms_of[w.name] if r % 2 == 0 else arms_of[w.name][::-1]:
                         await self.block(w, level, a, r)
         self.save()
 

@@ -529,9 +529,8 @@ class BenchRecord:
         print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
 
     def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
         self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+        save_results(self.results, self.out)
 
     def run(self, *steps) -> bool:
         """The steps in turn; a failure is kept in results["errors"] (the report says what failed), and the run is
