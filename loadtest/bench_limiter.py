@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+
 from loadtest.common import ManagedProcess, environment_facts, free_port
 from service.admission.ratelimit import LocalTokenBucket, RedisTokenBucket
 
@@ -75,8 +77,6 @@ def _process(kind: str, url: str | None, duration_s: float, concurrency: int, te
 
 def bench(kind: str, url: str | None, *, processes: int, concurrency: int, duration_s: float, tenants: int,
           warmup_s: float = 1.0) -> dict:
-    import redis
-
     if kind == "redis":
         redis.Redis.from_url(url).config_resetstat()
     ctx = multiprocessing.get_context("spawn")
@@ -101,8 +101,6 @@ def bench(kind: str, url: str | None, *, processes: int, concurrency: int, durat
 
 
 def _start_redis(workdir: str) -> tuple[ManagedProcess, str]:
-    import redis
-
     port = free_port()
     cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir",
            workdir, "--save", "", "--appendonly", "no"]

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -29,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import run
-from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, bench_kit, cpu_seconds, cpu_snapshot, fmt,
-                             free_port, md_table, new_results, nvidia_smi, plan_text, report_head, session_members,
-                             throughput, with_repo_path)
+from loadtest.common import (OFFLINE_ENV, BenchRecord, ManagedProcess, add_options, bench_kit, cpu_seconds,
+                             cpu_snapshot, fill_defaults, fmt, free_port, md_table, new_results, nvidia_smi, plan_text,
+                             report_head, session_members, throughput, with_repo_path)
 from loadtest.documents import ID_CARD_FIELDS, make_documents
 
 # ID card ≤ 500 ms, A4 page ≤ 3 s p95 (docs/BENCHMARKS.md G1, G2); client levels per replica around one engine's
@@ -121,8 +122,6 @@ def settings_for(args: argparse.Namespace, part: str, replicas: int, most: int, 
 
 def ray_cli() -> list[str]:
     """Ray's CLI: its `ray` script, or its module where Ray was installed without scripts (`pip --target`)."""
-    import shutil
-
     return ["ray"] if shutil.which("ray") else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
@@ -258,8 +257,6 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        import shutil
-
         for node in reversed(self.nodes):
             node.stop(timeout_s=15)
         # Ray's own logs of the nodes' daemons (raylets, GCS), then the session's folder goes
@@ -461,7 +458,7 @@ class Bench(BenchRecord):
                         entry["blocks"].setdefault(w, []).append({**await self.block(w, n * level, level),
                                                                   "round": r + 1})
                         self.save()
-        self.results["scaling"] = scaling(self.results["sweep"], self.args.time_scale)
+        self.results["scaling"] = scaling(self.results["sweep"])
         self.save()
 
     async def nodekill(self) -> None:
@@ -560,10 +557,9 @@ class Bench(BenchRecord):
         self.log(f"wrote {self.out}/results.json and report.md")
 
 
-def scaling(sweep: dict[str, Any], time_scale: float) -> dict[str, Any]:
+def scaling(sweep: dict[str, Any]) -> dict[str, Any]:
     """Per workload and replica count: the best docs/s of a block within the bound and without errors (the median
-    over rounds at each level), the efficiency best(n) ÷ (n × best(1)), the ingress CPU per request. On CPU the
-    docs/s are also given at the GPU's time (× time_scale)."""
+    over rounds at each level), the efficiency best(n) ÷ (n × best(1)), the ingress CPU per request."""
     out: dict[str, Any] = {}
     for n, entry in sweep.items():
         for workload, blocks in entry["blocks"].items():
@@ -585,8 +581,6 @@ def scaling(sweep: dict[str, Any], time_scale: float) -> dict[str, Any]:
         for n, row in by_n.items():
             best = row["best_within_bound"]
             row["efficiency"] = round(best["docs_per_s"] / (int(n) * one["docs_per_s"]), 3) if best and one else None
-            if best and time_scale != 1:
-                row["docs_per_s_at_gpu_time"] = round(best["docs_per_s"] * time_scale, 2)
     return out
 
 
@@ -670,9 +664,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan-only", action="store_true", help="print the plan, start nothing (exit 2 if it won't fit)")
     p.add_argument("--cpu", action="store_true", help="worker nodes declaring GPUs, the mock engine timed like a GPU's")
-    for flag, kind, gpu, cpu, text in OPTIONS:
-        defaults = f" (default {gpu}" + (f"; --cpu {cpu}" if cpu not in (gpu, None) else "") + ")"
-        p.add_argument(flag, type=kind, default=None, help=text + (defaults if gpu is not None else ""))
+    add_options(p, OPTIONS, "--cpu")
     p.add_argument("--haproxy", action=argparse.BooleanOptionalAction, default=None, help="HAProxy as the HTTP "
                    "front end (default on; --cpu off: Serve's proxy actor)")
     p.add_argument("--autoscale-workload", default="id_card", choices=list(WORKLOADS))
@@ -682,10 +674,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser().parse_args(argv)
-    for flag, _, gpu, cpu, _ in [*OPTIONS, ("--haproxy", bool, True, False, "")]:
-        name = flag[2:].replace("-", "_")
-        if getattr(args, name) is None:
-            setattr(args, name, cpu if args.cpu else gpu)
+    fill_defaults(args, [*OPTIONS, ("--haproxy", bool, True, False, "")], args.cpu)
     if not args.cpu and args.time_scale != 1.0:
         parser().error("--time-scale is for --cpu (the mock engine)")
     args.parts = [p for p in args.parts.split(",") if p]

@@ -6,20 +6,26 @@ is and how much CPU it used, and what results and reports share. Linux only (/pr
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
+import platform
 import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
 from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -224,11 +230,6 @@ def wait_http(url: str, timeout_s: float, *, process: ManagedProcess | None = No
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f}s (last: {last!r}){tail}")
 
 
-def get_json(url: str, timeout_s: float = 10.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
 PORT_TAKEN_MARKERS = ("Failed to bind", "Address already in use", "address already in use")
 
 
@@ -389,9 +390,6 @@ def nvidia_smi(query: str) -> list[str]:
 
 def environment_facts() -> dict[str, Any]:
     """Versions and hardware for result files; the repository's commit where git knows it."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
     facts: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
                              "cpu_count": os.cpu_count()}
     with suppress(OSError, StopIteration):
@@ -412,8 +410,6 @@ def environment_facts() -> dict[str, Any]:
 def bench_kit(tiny: bool) -> tuple[Path, dict[str, Any]]:
     """The model kit the benchmarks serve (`ocr-serve model-kit`), in the temporary folder: the full-size one with
     random weights, or the tiny one with its weights (vLLM-CPU dry runs). Returns its path and what was written."""
-    import tempfile
-
     from service.cli.modelkit import write_kit
 
     kit = Path(tempfile.gettempdir()) / ("ocr-bench-kit-tiny" if tiny else "ocr-bench-kit")
@@ -423,9 +419,6 @@ def bench_kit(tiny: bool) -> tuple[Path, dict[str, Any]]:
 def embedded_ocr() -> tuple[Any, Any]:
     """The embedded engine, started, and the RapidOCR object it built (same models, same threads): rapidocr "called
     directly" in the CPU benchmarks. `ocr(image bytes)` decodes and reads one image."""
-    import asyncio
-    import io
-
     import numpy as np
     from PIL import Image
 
@@ -447,6 +440,21 @@ def load_average() -> list[float]:
     return [round(x, 1) for x in os.getloadavg()]
 
 
+def add_options(parser, options: list[tuple], switch: str) -> None:
+    """Options of a table of (flag, type, default, default with `switch`, help), parsed as None where not given (for
+    `fill_defaults`); the help names the defaults."""
+    for flag, kind, default, other, text in options:
+        shown = f" (default {default}" + (f"; {switch} {other}" if other not in (default, None) else "") + ")"
+        parser.add_argument(flag, type=kind, default=None, help=text + (shown if default is not None else ""))
+
+
+def fill_defaults(args, options: list[tuple], switched: bool) -> None:
+    """The table's defaults for the options not given: the switch's column where it is on."""
+    for flag, _, default, other, _ in options:
+        if getattr(args, name := flag[2:].replace("-", "_")) is None:
+            setattr(args, name, other if switched else default)
+
+
 def plan_text(p: dict[str, Any], about: str = "") -> str:
     """A benchmark's plan as printed: its budget, estimated time and verdict, then every step."""
     budget = f"{p['budget_s']:.0f}s budget" if p["budget_s"] else "no budget"
@@ -464,8 +472,6 @@ def run_parts(results: dict[str, Any], out: Path, parts: dict[str, Any], report)
     """The parts (name → function) in turn, each one's result under its name; one that fails is listed in
     results["errors"] and the others still run. results.json is rewritten after each, then report.md written and
     printed. Returns the exit status: 1 where a part failed."""
-    import traceback
-
     for name, part in parts.items():
         print(f"{results['command'].split(' --')[0]}: {name}", flush=True)
         try:
@@ -523,15 +529,12 @@ class BenchRecord:
         print(f"[{time.monotonic() - self.started:6.1f}s] {message}", flush=True)
 
     def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
         self.results["elapsed_s"] = round(time.monotonic() - self.started, 1)
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=2, default=str))
+        save_results(self.results, self.out)
 
     def run(self, *steps) -> bool:
         """The steps in turn; a failure is kept in results["errors"] (the report says what failed), and the run is
         stopped and finished either way. True when nothing failed."""
-        import traceback
-
         try:
             for step in steps:
                 step()

@@ -6,6 +6,7 @@ font: other glyphs, the same image size, and image size alone sets a VLM's token
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 import random
@@ -57,12 +58,7 @@ def font_file() -> str | None:
 @lru_cache(maxsize=32)
 def load_font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     path = font_file()
-    if path is not None:
-        return ImageFont.truetype(path, size)
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:  # Pillow < 10.1: only the small bitmap font
-        return ImageFont.load_default()
+    return ImageFont.truetype(path, size) if path is not None else ImageFont.load_default(size=size)
 
 
 def _can_render_cjk() -> bool:
@@ -89,10 +85,11 @@ class GeneratedDocument:
         return "data:image/png;base64," + base64.b64encode(self.png).decode()
 
 
-def _png(image: Image.Image) -> bytes:
+def encode(image: Image.Image, fmt: str = "PNG", **options) -> bytes:
+    """The image's file bytes; PNG with fast compression (documents are generated per run, and encode time is not
+    what is measured)."""
     buf = io.BytesIO()
-    # fast compression: documents are generated per run, and encode time is not what we measure
-    image.save(buf, format="PNG", compress_level=1)
+    image.save(buf, format=fmt, **(options or {"compress_level": 1}))
     return buf.getvalue()
 
 
@@ -159,7 +156,7 @@ def render_a4(chars: int = MEDIUM_CHARS, *, seed: int = 0, lang: Language = "mix
             rendered.append(line)
             y += line_gap
         y += line_gap // 2
-    return GeneratedDocument("a4", width, height, _png(image), "\n".join(rendered), seed=seed)
+    return GeneratedDocument("a4", width, height, encode(image), "\n".join(rendered), seed=seed)
 
 
 def id_card_fields(seed: int, lang: Language = "mixed") -> dict[str, str]:
@@ -192,7 +189,7 @@ def render_id_card(*, seed: int = 0, lang: Language = "mixed") -> GeneratedDocum
         draw.text((40, 130 + 90 * i), labels[name], font=label_font, fill=(90, 90, 90))
         draw.text((40, 160 + 90 * i), values[name], font=value_font, fill="black")
         rendered += [labels[name], values[name]]
-    return GeneratedDocument("id_card", width, height, _png(image), "\n".join(rendered), dict(values), seed)
+    return GeneratedDocument("id_card", width, height, encode(image), "\n".join(rendered), dict(values), seed)
 
 
 def make_documents(kind: DocumentKind, count: int = 4, *, chars: int = MEDIUM_CHARS,
@@ -207,8 +204,6 @@ def make_documents(kind: DocumentKind, count: int = 4, *, chars: int = MEDIUM_CH
 
 def main(argv: list[str] | None = None) -> int:
     """Write sample documents as PNG files: `python -m loadtest documents OUT_DIR [--kind a4] [--count 3]`."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--kind", choices=["id_card", "a4"], default="a4")

@@ -20,10 +20,11 @@ import json
 import math
 import random
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, NamedTuple, Protocol
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -71,16 +72,6 @@ class Answer(NamedTuple):  # what one answer says (Sample's fields of the same n
     engine_ms: float | None = None
     stages_ms: dict[str, float] | None = None
     handler_ms: float | None = None
-
-
-class Target(Protocol):
-    path: str
-
-    def headers(self) -> dict[str, str]: ...
-
-    def body(self, job: Job, document: GeneratedDocument) -> bytes: ...
-
-    def check(self, status: int, payload: bytes) -> Answer: ...
 
 
 @dataclass
@@ -150,6 +141,9 @@ class OpenAIChatTarget:
         if status == 200 and (data := _json_object(payload)) is not None:
             return Answer(True, None, (data.get("usage") or {}).get("completion_tokens"))
         return Answer(False, f"http_{status}")
+
+
+Target = OCRTarget | OpenAIChatTarget  # what a request is sent to: path, headers(), body(job, document), check()
 
 
 def _json_object(payload: bytes) -> dict[str, Any] | None:
@@ -312,13 +306,8 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def little_docs_per_s(step: StepResult, counted: list[Sample], ok: int) -> float | None:
-    """Closed loop only: clients ÷ mean latency (× the share that succeeded). Clients that start together finish in
-    waves, so a window a few latencies long counts whole waves or misses one; this does not."""
-    if step.mode != "closed" or not counted:
-        return None
-    mean_s = sum(s.latency_s for s in counted) / len(counted)
-    return step.level / mean_s * ok / len(counted) if mean_s > 0 else None
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None or math.isnan(value) else round(float(value), digits)
 
 
 def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
@@ -333,32 +322,31 @@ def summarise(step: StepResult, slo_ms: float | None) -> dict[str, Any]:
     engine_ms = [s.engine_ms for s in ok if s.engine_ms is not None]
     handled = [s for s in ok if s.handler_ms is not None]
     within_slo = sum(1 for ms in latencies_ms if slo_ms is None or ms <= slo_ms)
-
-    def r(x: float | None, nd: int = 1) -> float | None:
-        return None if x is None or math.isnan(x) else round(x, nd)
+    # closed loop: clients ÷ mean latency × the share that succeeded (Little's law). Clients that start together
+    # finish in waves, so a window a few latencies long counts whole waves or misses one; this does not
+    mean_s = sum(s.latency_s for s in counted) / len(counted) if counted else 0.0
+    little = step.level / mean_s * len(ok) / len(counted) if step.mode == "closed" and mean_s > 0 else None
 
     def share(n: int) -> float | None:
-        return r(n / len(counted), 4) if counted else None
+        return _round(n / len(counted), 4) if counted else None
 
     return {
         "label": step.label, "mode": step.mode, "level": step.level, "duration_s": step.duration_s,
         "window_s": round(window, 3), "answers": len(counted), "ok": len(ok), "errors": errors,
         "rate_limited": limited, "cancelled": step.cancelled, "client_dropped": step.client_dropped,
-        "docs_per_s": r(len(ok) / window, 3), "docs_per_s_little": r(little_docs_per_s(step, counted, len(ok)), 3),
-        "output_tokens_per_s": r(out_tokens / window, 1),
-        "output_tokens_mean": r(out_tokens / len(ok), 1) if ok else None,
-        "latency_ms_mean": r(float(np.mean(latencies_ms)) if latencies_ms else None),
-        **{f"latency_ms_p{q}": r(percentile(latencies_ms, q)) for q in (50, 95, 99)},
-        "latency_ms_max": r(max(latencies_ms) if latencies_ms else None),
+        "docs_per_s": _round(len(ok) / window, 3), "docs_per_s_little": _round(little, 3),
+        "output_tokens_per_s": _round(out_tokens / window, 1),
+        "output_tokens_mean": _round(out_tokens / len(ok), 1) if ok else None,
+        "latency_ms_mean": _round(float(np.mean(latencies_ms)) if latencies_ms else None),
+        **{f"latency_ms_p{q}": _round(percentile(latencies_ms, q)) for q in (50, 95, 99)},
+        "latency_ms_max": _round(max(latencies_ms) if latencies_ms else None),
         # our API only: the engine's share of each answer, and where that time went (p50 per stage: queue before the
-        # engine, preprocess and first token inside it); the same as means, to set beside raw vLLM's histograms
-        "engine_ms_p50": r(percentile(engine_ms, 50)),
-        "stages_ms_p50": per_stage(ok, lambda values: r(percentile(values, 50))),
-        "engine_ms_mean": r(float(np.mean(engine_ms)) if engine_ms else None),
-        "stages_ms_mean": per_stage(ok, lambda values: r(float(np.mean(values)))),
+        # engine, preprocess and first token inside it)
+        "engine_ms_p50": _round(percentile(engine_ms, 50)),
+        "stages_ms_p50": per_stage(ok, lambda values: _round(percentile(values, 50))),
         # the API handler's whole time and what lay outside it (the HTTP front end: proxy, connection, waiting there)
-        "handler_ms_p50": r(percentile([s.handler_ms for s in handled], 50)),
-        "outside_handler_ms_p50": r(percentile([s.latency_s * 1000 - s.handler_ms for s in handled], 50)),
+        "handler_ms_p50": _round(percentile([s.handler_ms for s in handled], 50)),
+        "outside_handler_ms_p50": _round(percentile([s.latency_s * 1000 - s.handler_ms for s in handled], 50)),
         "error_rate": share(errors), "rate_429": share(limited), "slo_ms": slo_ms, "goodput": share(within_slo),
         "error_codes": dict(Counter(s.error or "unknown" for s in counted if not s.ok)),
     }
@@ -383,6 +371,117 @@ def per_stage(samples: list[Sample], stat: Callable[[list[float]], Any]) -> dict
     """`stat` of each breakdown stage's times over the samples that report it (our API's timings_ms)."""
     return {stage: stat(values) for stage in BREAKDOWN_STAGES
             if (values := [s.stages_ms[stage] for s in samples if s.stages_ms and stage in s.stages_ms])}
+
+
+# --- paired comparisons: the same work sent to several servers (arms) in alternation -------------------------------
+# A drift of the machine (another tenant, clocks, caches) hits every arm alike, so each round's difference keeps what
+# the servers themselves cost; medians with bootstrap 95 % intervals over the rounds.
+
+RESAMPLES = 2000
+
+
+@dataclass
+class Arm:
+    """One side of a paired comparison: a server's URL, its client and its requests (the same documents in the same
+    order as every other arm's)."""
+
+    name: str
+    base_url: str
+    target: Target
+    requests: list[Request]
+
+
+async def run_paired(arms: list[Arm], duration_s: float, timeout_s: float = 900.0, seed: int = 0,
+                     max_rounds: int | None = None) -> list[dict[str, Sample]]:
+    """Rounds until `duration_s` (or `max_rounds`), each {arm name: sample}; a keep-alive connection per arm."""
+    rng = random.Random(seed)
+    sessions = {arm.name: _session() for arm in arms}
+    order = list(arms)
+    rounds: list[dict[str, Sample]] = []
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < duration_s and (max_rounds is None or len(rounds) < max_rounds):
+            rng.shuffle(order)
+            answers = {}
+            for arm in order:
+                request = arm.requests[len(rounds) % len(arm.requests)]
+                answers[arm.name] = await _send(sessions[arm.name], arm.base_url.rstrip("/") + arm.target.path,
+                                                arm.target, request, t0, timeout_s)
+            rounds.append(answers)
+    finally:
+        for session in sessions.values():
+            await session.close()
+    return rounds
+
+
+
+
+def _picks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, n, size=(RESAMPLES, n))
+
+
+def _ci(resampled: np.ndarray, digits: int) -> list[float | None]:
+    low, high = np.percentile(resampled, [2.5, 97.5])
+    return [_round(low, digits), _round(high, digits)]
+
+
+def ratio_summary(ratios: Sequence[float], seed: int = 0, digits: int = 3) -> dict[str, Any]:
+    """Per-round ratios (e.g. docs/s of alternating blocks): their median, mean and the bootstrap 95 % interval of
+    the median."""
+    values = np.asarray([r for r in ratios if r is not None and np.isfinite(r)], dtype=float)
+    if not len(values):
+        return {"n": 0, "median": None, "mean": None, "ci95": [None, None], "rounds": []}
+    medians = np.median(values[_picks(len(values), seed)], axis=1)
+    return {"n": len(values), "median": _round(np.median(values), digits), "mean": _round(values.mean(), digits),
+            "ci95": _ci(medians, digits), "rounds": [_round(v, digits) for v in values]}
+
+
+def paired_summary(rounds: list[dict[str, Sample]], names: list[str], seed: int = 0) -> dict[str, Any]:
+    """Rounds of `run_paired` over `names` (the first is the reference). Per arm over the rounds every arm answered:
+    latency p50/mean/p95 and the p50s of the server's own timings where it reports them (engine, API handler, what
+    lay outside the handler). Per arm after the first: its per-round latency minus the reference's (median and mean
+    with intervals) and its docs/s at one client against the reference's (mean latency ÷ mean latency)."""
+    complete = [r for r in rounds if all(r[name].ok for name in names)]
+    ms = {name: np.asarray([r[name].latency_s * 1000 for r in complete]) for name in names}
+    out: dict[str, Any] = {"rounds": len(rounds), "complete_rounds": len(complete), "reference": names[0],
+                           "arms": {}, "against_reference": {},
+                           "rounds_ms": {name: [_round(v, 2) for v in ms[name]] for name in names}}
+    for name in names:
+        samples = [r[name] for r in complete]
+        handled = [s for s in samples if s.handler_ms is not None]
+        out["arms"][name] = {
+            "errors": sum(not r[name].ok for r in rounds),
+            "p50_ms": _round(percentile(list(ms[name]), 50)), "mean_ms": _round(ms[name].mean() if len(ms[name])
+                                                                                 else None),
+            "p95_ms": _round(percentile(list(ms[name]), 95)),
+            "engine_p50_ms": _round(percentile([s.engine_ms for s in samples if s.engine_ms is not None], 50)),
+            "handler_p50_ms": _round(percentile([s.handler_ms for s in handled], 50)),
+            "outside_handler_p50_ms": _round(percentile([s.latency_s * 1000 - s.handler_ms for s in handled], 50)),
+            "stages_ms_mean": per_stage(samples, lambda values: _round(np.mean(values))),
+            "output_tokens_mean": _round(np.mean(t) if (t := [s.output_tokens for s in samples
+                                                               if s.output_tokens]) else None),
+        }
+    if len(complete) < 2:
+        return out
+    picks = _picks(len(complete), seed)
+    reference = ms[names[0]]
+    for name in names[1:]:
+        deltas = ms[name] - reference
+        out["against_reference"][name] = {
+            "median_ms": _round(np.median(deltas)), "ci95_ms": _ci(np.median(deltas[picks], axis=1), 1),
+            "mean_ms": _round(deltas.mean()), "mean_ci95_ms": _ci(deltas[picks].mean(axis=1), 1),
+            "docs_per_s_ratio": _round(reference.mean() / ms[name].mean(), 3),
+            "docs_per_s_ratio_ci95": _ci(reference[picks].mean(axis=1) / ms[name][picks].mean(axis=1), 3),
+        }
+    return out
+
+
+def interval_text(value: Any, ci: Sequence[Any], unit: str = "", sign: bool = False) -> str:
+    """`+6.2 ms (+4.1 … +8.0)`: a value with its interval, for reports."""
+    if value is None:
+        return "-"
+    fmt = (lambda v: f"{v:+g}") if sign else (lambda v: f"{v:g}")
+    return f"{fmt(value)}{unit} ({fmt(ci[0])} … {fmt(ci[1])})" if None not in ci else f"{fmt(value)}{unit}"
 
 
 # --- output -------------------------------------------------------------------------------------------------------
@@ -459,10 +558,9 @@ def resolve_task(base_url: str, task: str | None) -> str | None:
     """`--task auto`: keep each job's task on a VLM engine; on the embedded engine (spotting/text only) use `text`."""
     if task not in (None, "auto"):
         return task
-    from loadtest.common import get_json
-
     try:
-        ready = get_json(base_url.rstrip("/") + "/readyz")
+        with urllib.request.urlopen(base_url.rstrip("/") + "/readyz", timeout=10) as resp:
+            ready = json.loads(resp.read())
     except Exception:  # not our service or not ready: keep the workload's tasks
         return None
     return "text" if ready.get("engine") == "embedded" else None

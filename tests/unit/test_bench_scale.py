@@ -93,7 +93,7 @@ def test_scaling_takes_the_best_block_within_the_bound_and_divides_by_n_times_on
     sweep = {"1": {"blocks": {"id_card": [block(8, 25.0, 400), block(16, 36.0, 480), block(24, 41.0, 620)]}},
              "2": {"blocks": {"id_card": [block(16, 50.0, 410), block(32, 70.0, 490, errors=1),
                                           block(48, 80.0, 700)]}}}
-    out = bench_scale.scaling(sweep, time_scale=1.0)["id_card"]
+    out = bench_scale.scaling(sweep)["id_card"]
     assert out["1"]["best_within_bound"] == {"clients": 16, "docs_per_s": 36.0, "p95_ms": 480}
     # 32 clients had an error and 48 were over the bound: 16 clients' 50 docs/s ÷ (2 × 36)
     assert out["2"]["best_within_bound"]["clients"] == 16 and out["2"]["efficiency"] == pytest.approx(0.694, abs=1e-3)

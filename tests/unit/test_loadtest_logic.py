@@ -24,7 +24,7 @@ from loadtest.__main__ import main as loadtest_main
 from loadtest.common import ManagedProcess, cpu_seconds, cpu_snapshot, free_port, parse_variants, port_holder, \
     process_kind
 from loadtest.documents import make_documents
-from loadtest.paired import Arm, paired_summary, ratio_summary, run_paired
+from loadtest.run import Arm, paired_summary, ratio_summary, run_paired
 
 REPO = Path(__file__).resolve().parents[2]
 H100 = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.2}
@@ -32,7 +32,7 @@ H100 = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": 79.2}
 
 def test_the_tools_import_without_torch_vllm_or_ray():
     """What the fast tier needs: the tools load (and plan) without the engine's packages."""
-    code = ("import sys\nimport loadtest.__main__, loadtest.run, loadtest.paired, loadtest.bench_gpu, "
+    code = ("import sys\nimport loadtest.__main__, loadtest.run, loadtest.bench_gpu, "
             "loadtest.bench_cpu, loadtest.bench_limiter, loadtest.bench_scale, loadtest.common, loadtest.documents\n"
             "print(sorted(m for m in ('torch', 'vllm', 'ray', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -246,7 +246,7 @@ def test_confidence_cost_and_variants_add_arms_compared_with_raw_and_their_own_s
     args = gpu_args("--confidence-cost", "--variant", "haproxy")
     names = bench_gpu.arm_names(args, bench_gpu.servers(args))
     assert names == ["raw", "service", "service-haproxy", "raw-noconf", "service-noconf", "service-haproxy-noconf"]
-    assert bench_gpu.servers(args)[2].env == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
+    assert bench_gpu.servers(args)["service-haproxy"] == {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
     assert [bench_gpu._references(n) for n in ("raw", "service", "raw-noconf", "service-haproxy-noconf")] == [
         [], ["raw"], ["raw"], ["raw", "service-haproxy"]]
 
