@@ -37,14 +37,19 @@ export RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 # one at a time (tests/conftest.py groups them), the other everything else meanwhile. Not more: every worker starts
 # its own Ray cluster, and the engine group is the critical path anyway.
 # Each run leaves its junit XML, its slowest tests and the machine's peak memory in use during the run
-# (MemTotal - MemAvailable, sampled every 2 s) in tests/artifacts/ (git-ignored).
+# (MemTotal - MemAvailable, sampled every 2 s; the largest processes at that moment) in tests/artifacts/ (git-ignored).
 ARTIFACTS=tests/artifacts
 mkdir -p "$ARTIFACTS"
 peak_memory() {
   local peak=0 used
   while sleep 2; do
     used=$(awk '/^MemTotal:/ {t=$2} /^MemAvailable:/ {a=$2} END {print int((t - a) / 1024)}' /proc/meminfo)
-    if [ "$used" -gt "$peak" ]; then peak=$used; echo "$peak" > "$ARTIFACTS/peak_memory_mib.txt"; fi
+    if [ "$used" -gt "$peak" ]; then
+      peak=$used
+      echo "$peak" > "$ARTIFACTS/peak_memory_mib.txt"
+      ps -eo rss=,args= --sort=-rss | head -20 | awk '{printf "%6d MiB  %s\n", $1 / 1024, substr($0, index($0, $2), 150)}' \
+        > "$ARTIFACTS/peak_memory_top.txt"
+    fi
   done
 }
 rm -f "$ARTIFACTS/peak_memory_mib.txt"
