@@ -85,7 +85,7 @@ def test_build_steps_work_on_the_real_context(tmp_path, stages):
             if step.startswith("python -c") or step.startswith("grep"):
                 subprocess.run(["bash", "-c", step], cwd=tmp_path, check=True, timeout=60)
     requirements = (tmp_path / "requirements.txt").read_text().split()
-    assert "ray[serve]==2.60.0" in requirements and not any(r.startswith("vllm") for r in requirements)
+    assert "ray[serve,data]==2.60.0" in requirements and not any(r.startswith("vllm") for r in requirements)
     assert (tmp_path / "requirements-vllm.txt").read_text().split() == ["vllm==0.26.0"]
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
                            str(tmp_path / "dist"), str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -98,4 +98,4 @@ def test_chart_runs_the_image_as_its_user():
     assert values["podSecurityContext"]["runAsUser"] == 1000 == values["podSecurityContext"]["runAsGroup"]
     assert values["rayVersion"] == "2.60.0"
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert f"ray[serve]=={values['rayVersion']}" in deps
+    assert f"ray[serve,data]=={values['rayVersion']}" in deps

@@ -59,7 +59,7 @@ def test_collecting_the_unit_tier_imports_no_torch_vllm_or_transformers():
     if not any(importlib.util.find_spec(name) for name in HEAVY):
         pytest.skip(f"none of {', '.join(HEAVY)} is installed: collecting this tier here imported none of them")
     code = ("import sys, pytest\n"
-            "rc = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/unit'])\n"
+            "rc = pytest.main(['--collect-only', '-q', '-n', '0', '-p', 'no:cacheprovider', 'tests/unit'])\n"
             f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
             "sys.exit(rc)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
