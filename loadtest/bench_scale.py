@@ -378,7 +378,15 @@ def timeline(samples: list[run.Sample], ticks: list[dict[str, Any]], tick_s: flo
     return rows
 
 
+def replicas_back(states: dict[str, int], per_node: dict[str, int], most: int, victim: str) -> bool:
+    """After a node kill: `most` engine replicas RUNNING in Serve's view and `most` alive in Ray's, none on the killed
+    node. Serve's controller reports the killed replica RUNNING until it notices, while Ray already lists it gone."""
+    return (states.get("RUNNING", 0) == most == sum(states.values()) == sum(per_node.values())
+            and not {victim, "dead node"} & set(per_node))
+
+
 # --- the run --------------------------------------------------------------------------------------------------------
+
 
 class Bench(BenchRecord):
     def __init__(self, args: argparse.Namespace, planned: dict[str, Any]):
@@ -486,8 +494,7 @@ class Bench(BenchRecord):
                 states = await asyncio.to_thread(replica_states)
                 per_node = (await asyncio.to_thread(placement))["engine_replicas_per_node"]
                 ticks.append({"t": round(load.now(), 2), "replicas": states, "per_node": per_node})
-                if states.get("RUNNING", 0) == most == sum(states.values()) and not {victim, "dead node"} & set(
-                        per_node):
+                if replicas_back(states, per_node, most, victim):
                     back = round(load.now() - killed_at, 2)
                 await asyncio.sleep(0.5)
             await asyncio.sleep(self.args.after_kill_s)

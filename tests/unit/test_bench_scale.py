@@ -145,3 +145,13 @@ def test_the_mock_engine_takes_the_models_time_scaled():
     alone, _ = simulate_closed_loop(StepModel(), 1, result.prompt_tokens, 64, result.image_tokens, requests=4)
     assert result.output_tokens == 64 and result.image_tokens == 642
     assert 0.5 * alone * 0.9 <= elapsed_ms <= 0.5 * alone * 3  # a loaded machine wakes late, never early
+
+
+def test_a_killed_nodes_replicas_are_back_only_when_ray_and_serve_both_see_them():
+    """Serve's controller reports the killed replica RUNNING until it notices, while Ray already lists it gone: that
+    moment (seen in a run: RUNNING 2, one replica alive) is not the replicas coming back."""
+    back = bench_scale.replicas_back
+    assert not back({"RUNNING": 2}, {"worker_node_0": 1}, 2, "worker_node_1")
+    assert not back({"RUNNING": 2}, {"worker_node_0": 1, "worker_node_1": 1}, 2, "worker_node_1")
+    assert not back({"RUNNING": 1, "STARTING": 1}, {"worker_node_0": 1, "worker_node_2": 1}, 2, "worker_node_1")
+    assert back({"RUNNING": 2}, {"worker_node_0": 1, "worker_node_2": 1}, 2, "worker_node_1")
