@@ -19,13 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 def test_gpu_comparison_dry_run_on_vllm_cpu(tmp_path):
     """`bench gpu --tiny`: raw `vllm serve` and the service started at once on vLLM-CPU with the tiny kit, warmed,
     paired at one client, then a round of closed-loop blocks; every answer a 200 with the fixed output length, the
-    raw server configured from the service's own engine arguments, results, report and logs written. A quarter GiB
-    of KV cache each (the tiny model's 1,024-token pages need little) keeps the two engines' memory down beside the
-    rest of the suite."""
+    raw server configured from the service's own engine arguments, results, report and logs written."""
     out = tmp_path / "gpu"
     done = subprocess.run([sys.executable, "-m", "loadtest", "bench", "gpu", "--tiny", "--workloads", "id_card",
-                           "--pair-s", "4", "--rounds", "1", "--block-s", "2", "--warmup-s", "1", "--docs", "2",
-                           "--kv-budget-gb", "0.25", "--out", str(out)],
+                           "--pair-s", "4", "--rounds", "1", "--block-s", "2", "--warmup-s", "1", "--docs", "2", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
