@@ -23,21 +23,10 @@ import zlib
 import pytest
 
 from tests.fixtures.documents import render_document
+from tests.fixtures.reliability import alive
 
 PAGES = [["Invoice 2026", "Total 1,234.56"], ["Receipt 17", "Paid in cash"], ["Contract", "Signed 4 Dec"],
          ["ID card", "Born 1990"]]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.own_engines

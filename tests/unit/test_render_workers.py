@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+from tests.fixtures.reliability import alive
+
 PARENT = r"""
 import concurrent.futures, multiprocessing, os, sys, time
 from service.engine.vllm import render_pool
@@ -23,14 +25,6 @@ if __name__ == "__main__":
     print(pool.submit(os.getpid).result(), flush=True)
     time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def worker_of_killed_parent(tmp_path, mode: str) -> int:
